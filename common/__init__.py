@@ -1,0 +1,1 @@
+"""pdserve.common: the engine shared by prefill and decode workers."""

@@ -1,0 +1,78 @@
+"""Engine configuration: one dataclass, filled from CLI flags or `PDSERVE_*` variables,
+checked once at start-up. Everything that sizes the engine (KV cache, batch limits) is here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    # A local Hugging Face folder; None means the embedded default model.
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    # torch intra-op threads; None: every core this process may run on.
+    threads: int | None = None
+    block_size: int = 16
+    # KV cache size: --kv-cache-gb, or a token count (--kv-cache-tokens) which wins if set.
+    kv_cache_gb: float = 2.0
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    # None: the model's own limit (max_position_embeddings).
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def validate(self) -> EngineConfig:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device: must be cpu or cuda[:N], got {self.device!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be at least 1, got {self.threads}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.kv_cache_tokens is None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens: must be at least one block ({self.block_size}), "
+                f"got {self.kv_cache_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens: must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        return self
+
+    @classmethod
+    def env_defaults(cls) -> dict[str, str]:
+        """`PDSERVE_<FIELD>` variables that are set, by field name (for containers)."""
+        out = {}
+        for f in fields(cls):
+            value = os.environ.get(f"PDSERVE_{f.name.upper()}")
+            if value is not None:
+                out[f.name] = value
+        return out
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,167 @@
+"""The model runner: owns the weights and the KV cache tensor, turns a `ScheduledBatch` into
+one forward pass, and samples the next token for every request that has reached the end of
+its known tokens. All tensor work of a step happens here; the scheduler and KV manager only
+deal in ids.
+
+KV cache layout (block-major, one contiguous region per block so a block moves between
+workers as one buffer): `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from pdserve.common.config import EngineConfig
+from pdserve.common.models.attention import AttentionMetadata
+from pdserve.common.models.llama import LlamaForCausalLM
+from pdserve.common.request import Request
+from pdserve.common.sampler import Sampler, TokenLogprobs
+from pdserve.common.scheduler import ScheduledBatch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledToken:
+    request: Request
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def kv_bytes_per_block(hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (
+        hf_config.num_hidden_layers * 2 * block_size * hf_config.num_key_value_heads
+        * head_dim * elem
+    )  # fmt: skip
+
+
+def num_kv_blocks(config: EngineConfig, hf_config: PretrainedConfig) -> int:
+    if config.kv_cache_tokens is not None:
+        return max(1, config.kv_cache_tokens // config.block_size)
+    per_block = kv_bytes_per_block(hf_config, config.block_size, config.torch_dtype)
+    return max(1, int(config.kv_cache_gb * 2**30) // per_block)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.model = LlamaForCausalLM(
+            self.hf_config, load_state_dict(model_dir), self.dtype, self.device
+        )
+        self.num_blocks = num_kv_blocks(config, self.hf_config)
+        m = self.model
+        # torch.empty: pages are only committed as blocks are first written.
+        self.kv_cache = torch.empty(
+            (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            self.num_blocks, self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        input_ids, positions, meta, sample_idx, sampling = self._prepare(batch)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[sample_idx])
+        out = self.sampler.sample(
+            logits, [r.sampling_params for r in sampling], [r.generator for r in sampling]
+        )
+        return [
+            SampledToken(r, t, lp)
+            for r, t, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
+        ]
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        nd = batch.num_decodes
+        decodes = batch.requests[:nd]
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        sampling: list[Request] = []
+
+        # Decodes: one token each, at position num_computed_tokens.
+        for i, r in enumerate(decodes):
+            pos = r.num_computed_tokens
+            tokens.append(r.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(r.blocks[pos // bs].block_id * bs + pos % bs)
+            if pos + 1 == r.num_tokens:
+                sample_idx.append(i)
+                sampling.append(r)
+
+        # Prefill chunks: a run of tokens each.
+        query_start = [0]
+        prefill_lens: list[int] = []
+        offset = nd
+        for r, n in zip(batch.requests[nd:], batch.num_new_tokens[nd:], strict=True):
+            start = r.num_computed_tokens
+            end = start + n
+            tokens.extend(r.all_token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.extend(pos.tolist())
+            block_ids = np.asarray(r.block_ids, dtype=np.int64)
+            slots.extend((block_ids[pos // bs] * bs + pos % bs).tolist())
+            query_start.append(query_start[-1] + n)
+            prefill_lens.append(end)
+            offset += n
+            if end == r.num_tokens:
+                sample_idx.append(offset - 1)
+                sampling.append(r)
+
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_tokens=nd,
+            decode_block_tables=self._block_table(decodes),
+            decode_seq_lens=torch.tensor(
+                [r.num_computed_tokens + 1 for r in decodes], dtype=torch.int32, device=device
+            ),
+            prefill_query_start_loc=query_start,
+            prefill_seq_lens=prefill_lens,
+            prefill_block_tables=self._block_table(batch.requests[nd:]),
+        )
+        return (
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta,
+            torch.tensor(sample_idx, dtype=torch.int64, device=device),
+            sampling,
+        )
+
+    def _block_table(self, requests: list[Request]) -> torch.Tensor:
+        width = max((len(r.blocks) for r in requests), default=0)
+        table = np.zeros((len(requests), width), dtype=np.int32)
+        for i, r in enumerate(requests):
+            table[i, : len(r.blocks)] = r.block_ids
+        return torch.from_numpy(table).to(self.device)

@@ -1,0 +1,1 @@
+"""Model definitions: our own forward passes, one module per architecture family."""

@@ -1,0 +1,147 @@
+"""Our forward pass for the Llama family (Llama, Mistral, Qwen2 with its q/k/v bias).
+
+The model runner calls `forward` once per engine step on a flattened batch: every scheduled
+token of every request in one [T] vector with its position and its KV slot. Each layer writes
+the new tokens' K/V into the paged cache, then attends over the cache (decode tokens straight
+from the blocks, prefill chunks over the cached prefix plus themselves). Only the positions
+that sample a token go through the LM head (`compute_logits`).
+
+Weights come from the Hugging Face state dict; q/k/v and gate/up are fused into one matmul
+each. Arithmetic follows transformers' Llama (RMSNorm in float32, rotate-half RoPE), which
+is the oracle the tests compare against."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pdserve.common.models.attention import AttentionMetadata, paged_attention
+from transformers import PretrainedConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaForCausalLM:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        def take(name: str) -> torch.Tensor:
+            return state_dict[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.lm_head = (
+            self.embed
+            if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+            else take("lm_head.weight")
+        )
+        self.final_norm = take("model.norm.weight")
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            bias = None
+            if p + "self_attn.q_proj.bias" in state_dict:
+                bias = torch.cat(
+                    [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+                ).contiguous()
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv_bias=bias,
+                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.cos_sin = self._rope_cache(config, device)
+
+    def _rope_cache(self, config: PretrainedConfig, device: torch.device) -> torch.Tensor:
+        """cos and sin for every position, [max_pos, 2, head_dim], in float32; the inverse
+        frequencies (and any RoPE scaling) come from transformers' own rotary module."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(config=config)
+        inv_freq = rotary.inv_freq.float()
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        cos_sin = torch.stack([emb.cos() * scaling, emb.sin() * scaling], dim=1)
+        return cos_sin.to(device)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        # Same rounding as the reference: normalise in float32, round, then scale.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return normed * weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm for every token, [T, hidden]."""
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos_sin[positions].to(self.dtype).unbind(1)  # [T, D] each
+        cos = cos.unsqueeze(1)
+        sin = sin.unsqueeze(1)
+        half = self.head_dim // 2
+        heads_qk = self.num_heads + self.num_kv_heads
+        for layer_idx, w in enumerate(self.layers):
+            residual = hidden
+            x = self._rms_norm(hidden, w.input_norm)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads_qk, self.head_dim)
+            # Rotate q and k together (rotate-half form).
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos + rotated * sin
+            q = qk[:, : self.num_heads]
+            k = qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(
+                num_tokens, self.num_kv_heads, self.head_dim
+            )
+            attn = paged_attention(q, k, v, kv_cache, layer_idx, meta, self.scale)
+            hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), w.o_proj)
+            residual = hidden
+            x = self._rms_norm(hidden, w.post_norm)
+            gate_up = F.linear(x, w.gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, w.down)
+        return self._rms_norm(hidden, self.final_norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,138 @@
+"""Token sampling: turns one step's logits into one token per sampling request.
+
+The engine calls `Sampler.sample` once per step with the logits of the positions that sample
+(the last position of each running request) and every such request's `SamplingParams` and
+per-request `torch.Generator`. Greedy rows take the argmax; random rows are temperature-scaled,
+masked by top-k then top-p in one batched pass, and drawn by an exponential race. A request
+with a seed owns a generator (created once by the caller with
+``torch.Generator(device).manual_seed(seed)``) and its draw uses only that generator and its
+own row, so its tokens do not depend on what else is in the batch. Unseeded rows share the
+global RNG. Log-probabilities, when asked for, are those of the model's raw distribution
+(``log_softmax`` of the unmodified logits)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from pdserve.common.sampling_params import SamplingParams
+from torch import Tensor
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities at one step for one request."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability
+    top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Return ``logits`` [N, V] with the tokens outside each row's top-k, then top-p, set to -inf.
+
+    ``top_k`` [N] (int): keep the k highest logits; -1 (or any k < 1 or k >= V) disables.
+    ``top_p`` [N] (float): of what top-k kept, keep the smallest set of most likely tokens
+    whose probability reaches p (a token is kept when the tokens ranked above it sum to less
+    than p); p >= 1 disables. Ties at the cut are broken by position (stable sort), so top-k
+    keeps exactly k. The most likely token is always kept. The input is not modified."""
+    n, vocab = logits.shape
+    k = top_k.to(device=logits.device, dtype=torch.long)
+    p = top_p.to(device=logits.device, dtype=logits.dtype)
+    use_k = bool(((k >= 1) & (k < vocab)).any())
+    use_p = bool((p < 1.0).any())
+    if not (use_k or use_p):
+        return logits.clone()
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=logits.device).expand(n, vocab)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        k = torch.where((k >= 1) & (k < vocab), k, vocab)
+        drop |= ranks >= k.unsqueeze(1)
+    if use_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_above = probs.cumsum(dim=-1) - probs
+        drop |= (mass_above >= p.unsqueeze(1)) & (p < 1.0).unsqueeze(1)
+    drop[:, 0] = False
+    mask = torch.empty_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _exponential_race(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Draw one index per row with probability ``probs``: argmax(probs / Exp(1) noise)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # Exp(1) can round to 0; masked tokens (prob 0) would then give 0/0 = nan.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Stateless: every call gets the rows' params and generators."""
+
+    def sample(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        n = logits.shape[0]
+        if len(params) != n or len(generators) != n:
+            raise ValueError(
+                f"sample: {n} logits rows, {len(params)} params, {len(generators)} generators"
+            )
+        if n == 0:
+            return SamplerOutput([], [])
+        logits = logits.float()
+        device = logits.device
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+
+        greedy = [i for i, sp in enumerate(params) if sp.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+
+        rand = [i for i, sp in enumerate(params) if not sp.greedy]
+        if rand:
+            rows = torch.tensor(rand, device=device)
+            temps = torch.tensor([params[i].temperature for i in rand], device=device)
+            top_k = torch.tensor([params[i].top_k for i in rand], device=device)
+            top_p = torch.tensor([params[i].top_p for i in rand], device=device)
+            scaled = logits[rows] / temps.unsqueeze(1)
+            probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+            shared = [j for j, i in enumerate(rand) if generators[i] is None]
+            if shared:
+                idx = torch.tensor(shared, device=device)
+                tokens[rows[idx]] = _exponential_race(probs[idx], None)
+            for j, i in enumerate(rand):
+                if generators[i] is not None:
+                    tokens[i] = _exponential_race(probs[j : j + 1], generators[i])[0]
+
+        token_ids: list[int] = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(logits, params, tokens, token_ids))
+
+    @staticmethod
+    def _logprobs(
+        logits: Tensor, params: list[SamplingParams], tokens: Tensor, token_ids: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        if not want:
+            return out
+        rows = torch.tensor(want, device=logits.device)
+        logprobs = logits[rows].log_softmax(dim=-1)
+        chosen: list[float] = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+        max_n = min(max(params[i].logprobs or 0 for i in want), logprobs.shape[1])
+        top_v: list[list[float]] = [[] for _ in want]
+        top_i: list[list[int]] = [[] for _ in want]
+        if max_n > 0:
+            values, indices = logprobs.topk(max_n, dim=-1)
+            top_v, top_i = values.tolist(), indices.tolist()
+        for j, i in enumerate(want):
+            k = params[i].logprobs or 0
+            top = list(zip(top_i[j][:k], top_v[j][:k], strict=True))
+            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        return out

@@ -1,0 +1,69 @@
+"""Per-request sampling settings, validated once when a request enters the engine.
+
+Limits follow the usual OpenAI / vLLM meanings: temperature 0 means greedy, top_k -1 means
+no top-k, top_p in (0, 1]. A bad value raises `InvalidRequestError` naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.common.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Return the log-probabilities of this many most likely tokens at each step (0: only the
+    # sampled token's; None: none at all).
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        """Raise `InvalidRequestError` for the first field out of range; return self."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise InvalidRequestError(
+                "temperature", f"must be a number >= 0 (0 is greedy), got {self.temperature!r}"
+            )
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or self.top_k == 0
+            or self.top_k < -1
+        ):
+            raise InvalidRequestError(
+                "top_k", f"must be -1 (disabled) or at least 1, got {self.top_k!r}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError("stop", "must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", "must be a list of token ids >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                "logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
+            )
+        return self

@@ -1,0 +1,163 @@
+"""The continuous-batching scheduler: each engine step, decide which requests advance and
+by how many tokens.
+
+There are no prefill or decode phases. Every request has `num_computed_tokens`; a step has
+a token budget (`max_num_batched_tokens`). Running requests go first, oldest first: a
+decoding request needs one token, a request still in its prompt takes as much of the budget
+as is left (chunked prefill). Then waiting requests are admitted, each first looking up its
+prompt's prefix in the cache, while the budget, `max_num_seqs` and free KV blocks allow.
+When a running request cannot get a block, the newest running request is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed later (its
+full blocks usually survive in the prefix cache, so recomputation is often a cache hit)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.common.kv_cache_manager import KVCacheManager
+from pdserve.common.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. Requests advancing by one token (decodes) come first, then the
+    prefill chunks; `num_new_tokens[i]` belongs to `requests[i]`."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class SchedulerStats:
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # Admitting new work right after a preemption would only cause more of it.
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = num_cached
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        decodes = [(r, n) for r, n in scheduled if n == 1]
+        prefills = [(r, n) for r, n in scheduled if n != 1]
+        ordered = decodes + prefills
+        return ScheduledBatch(
+            requests=[r for r, _ in ordered],
+            num_new_tokens=[n for _, n in ordered],
+            num_decodes=len(decodes),
+            preempted=preempted,
+        )
+
+    def on_step_computed(self, batch: ScheduledBatch) -> None:
+        """The batch's KV is written: advance each request and register its full blocks."""
+        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_full_blocks(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted) and give back its blocks at once."""
+        assert status.finished
+        if request.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,1 @@
+"""pdserve.services: the processes (CLI, offline generation; coordinator, prefill, decode)."""
