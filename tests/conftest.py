@@ -1,0 +1,60 @@
+"""Shared fixtures: the embedded default model's folder, tiny random-weight models of each
+supported architecture, and transformers reference models."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/oracle.py
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pdserve.common.model_files import resolve_model
+
+    return resolve_model(None)
+
+
+def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+
+    common = dict(
+        vocab_size=49152,  # the default model's tokenizer is copied in beside the weights
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,  # peaked distributions: no near-ties for greedy to flip on
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = {
+        "llama": lambda: LlamaConfig(**common),
+        "qwen2": lambda: Qwen2Config(**common),  # q/k/v biases
+        "mistral": lambda: MistralConfig(**common, sliding_window=None),
+    }[arch]()
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # make the biases matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    folder = tmp / arch
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_dir / name).exists():
+            shutil.copy(default_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
+def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    return _tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir, request.param)
