@@ -24,7 +24,7 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp
+$(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET_PIP)
 	$(PY) -m pip install -q $(TORCH_SPEC) $(QUIET_PIP)

@@ -8,10 +8,12 @@ a flag on the command line wins."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from pdserve.common.config import DTYPES, EngineConfig
 from pdserve.common.errors import ModelLoadError, PdserveError
@@ -101,7 +103,7 @@ def _int_env(name: str, default: int | None = None) -> int | None:
     except ValueError:
         raise SystemExit(
             f"pdserve: error: PDSERVE_{name.upper()} must be an integer, got {value!r}"
-        )
+        ) from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -190,7 +192,9 @@ def _load_engine(args: argparse.Namespace):
     try:
         return LLMEngine(engine_config(args))
     except (OSError, KeyError) as exc:
-        raise ModelLoadError(f"model: cannot load {args.model or 'the default model'}: {exc}")
+        raise ModelLoadError(
+            f"model: cannot load {args.model or 'the default model'}: {exc}"
+        ) from exc
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -201,22 +205,24 @@ def _generate(args: argparse.Namespace) -> int:
     from pdserve.common.sampling_params import SamplingParams
 
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature).validate()
-    try:
-        infile = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    except OSError as exc:
-        raise PdserveError(f"input: cannot read {args.input}: {exc.strerror}") from exc
-    engine = _load_engine(args)
-    with infile:
-        try:
-            outfile = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
-        except OSError as exc:
-            raise PdserveError(f"output: cannot write {args.output}: {exc.strerror}") from exc
-        with outfile:
-            errors = run_generate(engine, infile, outfile, defaults, progress=not args.no_progress)
+    with contextlib.ExitStack() as files:
+        infile = _open(files, args.input, "r", sys.stdin, "input")
+        engine = _load_engine(args)
+        outfile = _open(files, args.output, "w", sys.stdout, "output")
+        errors = run_generate(engine, infile, outfile, defaults, progress=not args.no_progress)
     if errors:
         print(f"pdserve generate: {errors} line(s) rejected; see above", file=sys.stderr)
         return 1
     return 0
+
+
+def _open(files: contextlib.ExitStack, path: str, mode: str, std: TextIO, field: str) -> TextIO:
+    if path == "-":
+        return std
+    try:
+        return files.enter_context(open(path, mode, encoding="utf-8"))
+    except OSError as exc:
+        raise PdserveError(f"{field}: cannot open {path}: {exc.strerror}") from exc
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -37,7 +37,9 @@ def parse_line(line: str, defaults: Defaults) -> tuple[Prompt, SamplingParams]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise InvalidRequestError("line", f"is not valid JSON ({exc.msg} at column {exc.colno})")
+        raise InvalidRequestError(
+            "line", f"is not valid JSON ({exc.msg} at column {exc.colno})"
+        ) from None
     if not isinstance(row, dict):
         raise InvalidRequestError("line", "must be a JSON object")
     present = [f for f in PROMPT_FIELDS if f in row]

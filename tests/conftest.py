@@ -21,7 +21,7 @@ def default_model_dir() -> Path:
 
 
 def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=49152,  # the default model's tokenizer is copied in beside the weights

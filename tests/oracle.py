@@ -6,11 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.models.attention import AttentionMetadata
+from transformers import AutoModelForCausalLM
 
 
 def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32):
@@ -20,7 +19,9 @@ def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32):
 
 
 @torch.inference_mode()
-def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+def reference_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, eos: int | None
+) -> list[int]:
     """Greedy continuation, one prompt at a time (no padding). An explicit all-ones attention
     mask: otherwise generate() masks every prompt token equal to the pad id."""
     ids = torch.tensor([prompt_ids])

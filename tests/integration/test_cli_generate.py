@@ -17,9 +17,7 @@ PDSERVE = [sys.executable, "-m", "pdserve.services.cli"]
 
 def run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PDSERVE_THREADS="2")
-    return subprocess.run(
-        PDSERVE + args, capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return subprocess.run(PDSERVE + args, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -69,7 +67,9 @@ def test_generate_mixed_good_and_bad_lines(tmp_path):
         9: ("line 10", "max_model_len (128)"),
         10: ("line 11", "top_k"),
     }
-    err_lines = [line for line in proc.stderr.splitlines() if line.startswith("pdserve generate: line")]
+    err_lines = [
+        line for line in proc.stderr.splitlines() if line.startswith("pdserve generate: line")
+    ]
     assert len(err_lines) == len(expected_errors)
     for i, (where, what) in expected_errors.items():
         assert "error" in results[i] and what in results[i]["error"]

@@ -1,0 +1,1 @@
+"""pdserve.kernels: attention and KV-cache kernels (torch reference, CPU extension, GPU)."""

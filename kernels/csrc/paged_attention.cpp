@@ -1,0 +1,304 @@
+// pdserve CPU paged attention: the kernels the model runner calls for every layer of every
+// step when it runs on CPU (through pdserve.kernels.attention).
+//
+// KV cache layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], K at
+// index 0 of dim 2, V at 1. `paged_attention` attends straight from the blocks (nothing is
+// gathered into contiguous tensors). One work item is (sequence, kv head, a tile of query
+// rows): the G query heads of that kv head for those rows are loaded once, scored against
+// every key of the context (pass 1), soft-maxed in float32, then used to weight the values
+// (pass 2). Decode is the one-row-per-sequence case; a prefill chunk is the case of q_len
+// rows that are the last q_len positions of a context whose K/V are all already written.
+// The SIMD kernels live in paged_attention_simd.h.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "paged_attention_simd.h"
+
+namespace {
+
+using namespace pdserve_attention;
+
+// ------------------------------------------------------------------------ work items
+struct Geometry {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks;
+  int64_t block_stride, layer_offset, value_offset, token_stride, table_stride;
+  float scale;
+};
+
+struct Item {
+  int32_t seq, kv_head, row0, rows;
+  int64_t cost;
+};
+
+// Per-thread buffers, reused across items.
+template <typename T>
+struct Scratch {
+  std::vector<float> qf, scores, acc, inv;
+  std::vector<T> qraw, pb;
+};
+
+// One (sequence, kv head, query rows [row0, row0 + rows)) item. Query r = i * G + g is row
+// i's head kv_head * G + g; it attends to its first prefix + row0 + i + 1 positions.
+// Returns false on a block id outside the cache.
+template <typename T>
+bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const T* query, T* out,
+              const int32_t* table, int64_t q_start, int64_t prefix, const Item& it,
+              Scratch<T>& sc) {
+  const int D = static_cast<int>(geo.head_dim), G = static_cast<int>(geo.group);
+  const int BS = static_cast<int>(geo.block_size);
+  const int R = it.rows * G;
+  const int base_ctx = static_cast<int>(prefix) + it.row0 + 1;  // context of query row 0
+  const int ctx_max = base_ctx + it.rows - 1;
+  const int64_t ld = (ctx_max + 31) & ~int64_t{31};
+  auto ctx_of = [&](int r) { return base_ctx + r / G; };
+
+  const size_t qsize = static_cast<size_t>(R) * D;
+  sc.qraw.resize(qsize);
+  sc.qf.resize(qsize);
+  sc.acc.assign(qsize, 0.f);
+  sc.scores.resize(static_cast<size_t>(R) * ld);
+  sc.inv.resize(R);
+  for (int i = 0; i < it.rows; ++i) {
+    const T* src = query + ((q_start + it.row0 + i) * geo.num_heads + it.kv_head * G) * D;
+    std::memcpy(sc.qraw.data() + static_cast<size_t>(i) * G * D, src, sizeof(T) * G * D);
+  }
+  if (!kern.bf16_dot)
+    for (size_t e = 0; e < qsize; ++e) sc.qf[e] = static_cast<float>(sc.qraw[e]);
+
+  const int nblocks = (ctx_max + BS - 1) / BS;
+  for (int b = 0; b < nblocks; ++b)
+    if (table[b] < 0 || table[b] >= geo.num_blocks) return false;
+  const T* head_base = cache + geo.layer_offset + it.kv_head * D;
+  float* scores = sc.scores.data();
+
+  // Pass 0 scores the keys block by block, pass 1 sums the values. (Software prefetching of
+  // the next blocks measured no better than the hardware prefetchers, so there is none.)
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t kv_off = pass == 0 ? 0 : geo.value_offset;
+    for (int b = 0; b < nblocks; ++b) {
+      const int j0 = b * BS;
+      const int n = std::min(BS, ctx_max - j0);
+      const T* rows = head_base + table[b] * geo.block_stride + kv_off;
+      for (int q0 = 0; q0 < R; q0 += 4) {
+        const int nq = std::min(4, R - q0);
+        const int nn = std::min(n, ctx_of(q0 + nq - 1) - j0);  // causal: the group's last row
+        if (nn <= 0) continue;
+        if (pass == 0)
+          kern.qk(sc.qf.data() + q0 * D, sc.qraw.data() + q0 * D, nq, D, rows, geo.token_stride,
+                  nn, scores + q0 * ld + j0, ld);
+        else
+          kern.pv(scores + q0 * ld + j0, sc.pb.data() + q0 * ld + j0, ld, nq, D, rows,
+                  geo.token_stride, nn, sc.acc.data() + q0 * D);
+      }
+    }
+    if (pass == 1) break;
+    for (int r = 0; r < R; ++r)
+      sc.inv[r] = softmax_row(scores + r * ld, ctx_of(r), ctx_max, geo.scale);
+#if defined(__AVX512BF16__)
+    if constexpr (Kernels<T>::kDot)
+      if (kern.bf16_dot) {
+        sc.pb.resize(static_cast<size_t>(R) * ld + 32);  // a pair read may pass the end
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < ctx_max; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[r * ld + j]);
+      }
+#endif
+  }
+#if defined(__AVX512BF16__)
+  if (kern.bf16_dot) unpermute_bf16(sc.acc.data(), static_cast<int>(qsize));
+#endif
+
+  for (int r = 0; r < R; ++r) {
+    const int i = r / G, g = r % G;
+    T* dst = out + ((q_start + it.row0 + i) * geo.num_heads + it.kv_head * G + g) * D;
+    const float* a = sc.acc.data() + static_cast<size_t>(r) * D;
+    const float inv = sc.inv[r];
+    int d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16)
+      store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(inv)));
+#endif
+    for (; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
+  }
+  return true;
+}
+
+template <typename T>
+void attention_impl(const Geometry& geo, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                    torch::Tensor& out, const int32_t* tables, const int32_t* seq_lens,
+                    const int32_t* qsl, int64_t num_seqs) {
+  const Kernels<T> kern(geo.head_dim);
+  const int32_t rows_per_item =
+      qsl ? static_cast<int32_t>(4 * ((8 + geo.group - 1) / geo.group)) : 1;
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl ? qsl[s + 1] - qsl[s] : 1;
+    const int64_t prefix = seq_lens[s] - q_len;
+    for (int32_t r0 = 0; r0 < q_len; r0 += rows_per_item) {
+      const int32_t rows = static_cast<int32_t>(std::min<int64_t>(rows_per_item, q_len - r0));
+      for (int32_t h = 0; h < geo.num_kv_heads; ++h)
+        items.push_back({static_cast<int32_t>(s), h, r0, rows, rows * (prefix + r0 + rows)});
+    }
+  }
+  // Longest first, then handed out one at a time: balances ragged batches across threads.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const T* cache = kv_cache.data_ptr<T>();
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> bad{false};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch<T> sc;
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const int64_t q_start = qsl ? qsl[it.seq] : it.seq;
+      const int64_t q_len = qsl ? qsl[it.seq + 1] - qsl[it.seq] : 1;
+      if (!run_item<T>(geo, kern, cache, q, o, tables + it.seq * geo.table_stride, q_start,
+                       seq_lens[it.seq] - q_len, it, sc))
+        bad = true;
+    }
+  });
+  TORCH_CHECK(!bad, "paged_attention: block table entry outside the cache");
+}
+
+}  // namespace
+
+// query [T, H, D]; kv_cache [num_blocks, num_layers, 2, block_size, KVH, D]; block_tables
+// [S, max_blocks] int32; seq_lens [S] int32; query_start_loc [S + 1] int32 (None: decode,
+// one query per sequence, T == S). Returns [T, H, D] in query's dtype.
+torch::Tensor paged_attention(torch::Tensor query, const torch::Tensor& kv_cache, int64_t layer,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              c10::optional<torch::Tensor> query_start_loc, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "cpu tensors expected");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(2) == 2,
+              "kv_cache must be contiguous [num_blocks, num_layers, 2, block_size, KVH, D]");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == kv_cache.scalar_type(),
+              "query must be [T, H, D] of the cache's dtype");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
+                  seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  query = query.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  Geometry geo;
+  geo.num_heads = query.size(1);
+  geo.num_kv_heads = kv_cache.size(4);
+  geo.head_dim = kv_cache.size(5);
+  TORCH_CHECK(query.size(2) == geo.head_dim && geo.num_heads % geo.num_kv_heads == 0,
+              "query heads/head_dim do not match the cache");
+  geo.group = geo.num_heads / geo.num_kv_heads;
+  geo.block_size = kv_cache.size(3);
+  geo.num_blocks = kv_cache.size(0);
+  geo.token_stride = geo.num_kv_heads * geo.head_dim;
+  geo.value_offset = geo.block_size * geo.token_stride;
+  geo.layer_offset = layer * 2 * geo.value_offset;
+  geo.block_stride = kv_cache.size(1) * 2 * geo.value_offset;
+  geo.table_stride = block_tables.size(1);
+  geo.scale = static_cast<float>(scale);
+
+  const int64_t num_seqs = seq_lens.size(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = nullptr;
+  torch::Tensor qsl_t;
+  if (query_start_loc.has_value()) {
+    qsl_t = query_start_loc->contiguous();
+    TORCH_CHECK(qsl_t.scalar_type() == torch::kInt32 && qsl_t.numel() == num_seqs + 1,
+                "query_start_loc must be int32 [S + 1]");
+    qsl = qsl_t.data_ptr<int32_t>();
+    TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == query.size(0), "query_start_loc must span query");
+  } else {
+    TORCH_CHECK(query.size(0) == num_seqs, "decode: one query row per sequence");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= num_seqs, "block_tables [S, M]");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl ? qsl[s + 1] - qsl[s] : 1;
+    TORCH_CHECK(q_len >= 0 && lens[s] >= q_len && (lens[s] >= 1 || q_len == 0),
+                "sequence ", s, ": bad seq_len ", lens[s], " for ", q_len, " queries");
+    TORCH_CHECK((lens[s] + geo.block_size - 1) / geo.block_size <= geo.table_stride,
+                "sequence ", s, ": block table too short for ", lens[s], " tokens");
+  }
+
+  torch::Tensor out = torch::empty_like(query);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      attention_impl<float>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      break;
+    case torch::kBFloat16:
+      attention_impl<c10::BFloat16>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      break;
+    case torch::kHalf:
+      attention_impl<c10::Half>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+// Copies key/value [T, KVH, D] into slot slot_mapping[t] (int64) of `layer`.
+void write_kv(torch::Tensor kv_cache, int64_t layer, torch::Tensor key, torch::Tensor value,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 6 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous cpu [num_blocks, num_layers, 2, block_size, KVH, D]");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
+  const int64_t bs = kv_cache.size(3), kvh = kv_cache.size(4), d = kv_cache.size(5);
+  const int64_t tokens = slot_mapping.numel();
+  auto rows = [&](torch::Tensor t) {
+    TORCH_CHECK(t.scalar_type() == kv_cache.scalar_type() && t.dim() == 3 && t.size(0) == tokens &&
+                    t.size(1) == kvh && t.size(2) == d,
+                "key/value must be [T, KVH, D] of the cache's dtype");
+    return (t.stride(2) == 1 && t.stride(1) == d) ? t : t.contiguous();
+  };
+  key = rows(key);
+  value = rows(value);
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t elem = kv_cache.element_size();
+  const int64_t row_bytes = kvh * d * elem;
+  const int64_t block_bytes = kv_cache.stride(0) * elem;
+  const int64_t layer_bytes = kv_cache.stride(1) * elem;
+  const int64_t value_bytes = kv_cache.stride(2) * elem;
+  const int64_t num_slots = kv_cache.size(0) * bs;
+  char* base = static_cast<char*>(kv_cache.data_ptr()) + layer * layer_bytes;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * elem, vs = value.stride(0) * elem;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  std::atomic<bool> bad{false};
+  const int64_t grain = std::max<int64_t>(64, (1 << 20) / (2 * row_bytes));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0 || slot >= num_slots) {
+        bad = true;
+        continue;
+      }
+      char* dst = base + (slot / bs) * block_bytes + (slot % bs) * row_bytes;
+      std::memcpy(dst, k + t * ks, row_bytes);
+      std::memcpy(dst + value_bytes, v + t * vs, row_bytes);
+    }
+  });
+  TORCH_CHECK(!bad, "write_kv: slot outside the cache");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pdserve CPU paged attention kernels";
+  // The kernels touch no Python object: other Python threads run meanwhile.
+  m.def("paged_attention", &paged_attention, "Attention straight from the paged KV cache",
+        py::arg("query"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "Store key/value rows into their cache slots", py::arg("kv_cache"),
+        py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
+        py::call_guard<py::gil_scoped_release>());
+}
