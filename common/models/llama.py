@@ -18,18 +18,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from pdserve.common.models.attention import AttentionMetadata, paged_attention
+from pdserve.common.models.linear import Linear
 from transformers import PretrainedConfig
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaForCausalLM:
@@ -58,7 +58,7 @@ class LlamaForCausalLM:
             return state_dict[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
-        self.lm_head = (
+        self.lm_head = Linear(
             self.embed
             if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
             else take("lm_head.weight")
@@ -75,12 +75,15 @@ class LlamaForCausalLM:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                    qkv_bias=bias,
-                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    qkv=Linear(
+                        torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), bias
+                    ),
+                    o_proj=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(
+                        torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+                    ),
+                    down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
         self.cos_sin = self._rope_cache(config, device)
@@ -124,7 +127,7 @@ class LlamaForCausalLM:
         for layer_idx, w in enumerate(self.layers):
             residual = hidden
             x = self._rms_norm(hidden, w.input_norm)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = w.qkv(x)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads_qk, self.head_dim)
             # Rotate q and k together (rotate-half form).
             rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
@@ -135,13 +138,13 @@ class LlamaForCausalLM:
                 num_tokens, self.num_kv_heads, self.head_dim
             )
             attn = paged_attention(q, k, v, kv_cache, layer_idx, meta, self.scale)
-            hidden = residual + F.linear(attn.reshape(num_tokens, self.q_size), w.o_proj)
+            hidden = residual + w.o_proj(attn.reshape(num_tokens, self.q_size))
             residual = hidden
             x = self._rms_norm(hidden, w.post_norm)
-            gate_up = F.linear(x, w.gate_up)
+            gate_up = w.gate_up(x)
             gate, up = gate_up.chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, w.down)
+            hidden = residual + w.down(F.silu(gate) * up)
         return self._rms_norm(hidden, self.final_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,33 @@
+"""The model runner's dense layer: the packed CPU layout computes what `F.linear` computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.common.models.linear import Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(dtype, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 80, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(rows, 80, generator=gen).to(dtype)
+    layer = Linear(weight, bias)
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        assert layer.packed
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def test_packing_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
+    layer = Linear(torch.randn(8, 8, dtype=torch.bfloat16))
+    assert not layer.packed
