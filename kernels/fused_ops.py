@@ -1,0 +1,90 @@
+"""Fused per-token operations between the matmuls of each layer: residual add + RMSNorm,
+rotary embedding (rotate-half form) and SiLU-and-multiply.
+
+The model runner calls these for every layer of every step. On CPU in bfloat16/float16 they
+run in the C++ extension (`csrc/fused_ops.cpp`: one pass over memory each); otherwise — and
+always in float32, where the engine must match the reference model exactly — they are plain
+torch ops in the reference model's order. `PDSERVE_FUSED_OPS=0` forces the torch path."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from pdserve.kernels.cpp_build import load_extension
+
+EXTENSION_NAME = "pdserve_fused_ops"
+SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    return load_extension(EXTENSION_NAME, [SOURCE], verbose)
+
+
+def extension_for(x: torch.Tensor) -> ModuleType | None:
+    """The C++ ops when they serve `x` (CPU, 16-bit float), else None (torch path)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or os.environ.get("PDSERVE_FUSED_OPS", "1") == "0"
+    ):
+        return None
+    return load()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMSNorm(x); normalised in float32 and rounded before scaling."""
+    ext = extension_for(x)
+    if ext is not None:
+        return ext.add_rms_norm(None, x.contiguous(), weight, eps)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual)."""
+    ext = extension_for(x)
+    if ext is not None:
+        residual = residual.contiguous()
+        return ext.add_rms_norm(x.contiguous(), residual, weight, eps), residual
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] → silu(gate) * up."""
+    ext = extension_for(x)
+    if ext is not None:
+        return ext.silu_and_mul(x.contiguous())
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, heads: int, head_dim: int
+) -> torch.Tensor:
+    """Rotate the first `heads` heads (q then k) of each row of qkv [T, (H + 2 KVH) * D];
+    cos_sin [max_pos, 2, D] float32. Returns qkv with those heads rotated (in place on the
+    C++ path)."""
+    ext = extension_for(qkv)
+    if ext is not None and qkv.is_contiguous():
+        ext.rotary_(qkv, positions, cos_sin, heads, head_dim)
+        return qkv
+    num_tokens = qkv.shape[0]
+    cos, sin = cos_sin[positions].to(qkv.dtype).unsqueeze(2).unbind(1)  # [T, 1, D] each
+    qk = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+    qk = qk * cos + rotated * sin
+    return torch.cat([qk.reshape(num_tokens, -1), qkv[:, heads * head_dim :]], dim=1)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if load(verbose=True) is not None else 1)
