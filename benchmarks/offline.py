@@ -247,6 +247,7 @@ def _cpu_name() -> str:
 
 def child_pdserve(args: argparse.Namespace, rows: list[Row]) -> dict[str, Any]:
     import torch
+
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
+
 from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidRequestError
@@ -27,7 +29,6 @@ from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.scheduler import Scheduler
 from pdserve.common.stop_checker import StopChecker
-from transformers import AutoTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
 from pdserve.common.config import EngineConfig
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.request import Request
 from pdserve.common.sampler import Sampler, TokenLogprobs
 from pdserve.common.scheduler import ScheduledBatch
-from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from pdserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
     from pdserve.common.block_pool import KVCacheBlock
     from pdserve.common.detokenizer import IncrementalDetokenizer
     from pdserve.common.stop_checker import StopChecker

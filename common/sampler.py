@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from pdserve.common.sampling_params import SamplingParams
 from torch import Tensor
+
+from pdserve.common.sampling_params import SamplingParams
 
 
 class TokenLogprobs(NamedTuple):

@@ -19,8 +19,9 @@ import importlib
 import os
 from types import ModuleType
 
-from pdserve.kernels import cpu_extension, reference, torch_paged
 from torch import Tensor
+
+from pdserve.kernels import cpu_extension, reference, torch_paged
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 _FORCED = {"reference": reference, "torch": torch_paged, "cpp": cpu_extension, "triton": None}

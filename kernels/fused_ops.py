@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.kernels.cpp_build import load_extension
 
 EXTENSION_NAME = "pdserve_fused_ops"

@@ -12,8 +12,9 @@ interpreter (``TRITON_INTERPRET=1``, on CPU tensors), not timed on a GPU.
 from __future__ import annotations
 
 import torch
-from pdserve.kernels.torch_paged import prefill_attention, write_kv
 from torch import Tensor
+
+from pdserve.kernels.torch_paged import prefill_attention, write_kv
 
 try:
     import triton

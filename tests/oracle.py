@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.models.attention import AttentionMetadata
-from transformers import AutoModelForCausalLM
 
 
 def load_reference(model_dir: Path, dtype: torch.dtype = torch.float32):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.kernels import attention as kernels
 
 

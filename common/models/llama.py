@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
+
 from pdserve.common.models.attention import AttentionMetadata, paged_attention
 from pdserve.common.models.linear import Linear
 from pdserve.kernels import fused_ops as fused
-from transformers import PretrainedConfig
 
 
 @dataclass

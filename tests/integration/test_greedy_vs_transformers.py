@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import engine, engine_logits, load_reference, reference_greedy
+
 from pdserve.common.sampling_params import SamplingParams
 
 NEW_TOKENS = 32

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from pdserve.common.block_hashing import (
     HASH_VERSION,
     ROOT_HASH,

@@ -4,9 +4,10 @@ byte-fallback (sentencepiece-style) BPE, both wrapped in transformers' fast toke
 from __future__ import annotations
 
 import pytest
-from pdserve.common.detokenizer import IncrementalDetokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from pdserve.common.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "Hello world, this is pdserve streaming text.",

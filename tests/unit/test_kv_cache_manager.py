@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.common.block_hashing import block_hashes
 from pdserve.common.block_pool import KVCacheBlock
 from pdserve.common.kv_cache_manager import KVCacheManager

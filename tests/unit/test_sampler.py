@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from pdserve.common.sampler import Sampler, apply_top_k_top_p
 from pdserve.common.sampling_params import SamplingParams
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.request import Request, RequestStatus
 from pdserve.common.sampling_params import SamplingParams

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.stop_checker import StopChecker, StopResult
 
