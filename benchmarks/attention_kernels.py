@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from pdserve.kernels import cpu_extension, torch_paged
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -61,11 +62,18 @@ def backends() -> dict[str, object]:
 
 
 def bench_decode(
-    kv: torch.Tensor, gen: torch.Generator, repeat: int, batch: int, rotate: bool
+    kv: torch.Tensor,
+    gen: torch.Generator,
+    repeat: int,
+    batch: int,
+    rotate: bool,
+    context: tuple[int, int] = (256, 384),
+    backend_names: tuple[str, ...] = ("torch", "cpp"),
 ) -> dict:
-    """Per-call µs of one layer's decode. `rotate`: each call reads the next layer (as a real
-    step does, so the K/V come from DRAM); otherwise the same layer again (cache-warm)."""
-    lens = torch.randint(256, 385, (batch,), generator=gen, dtype=torch.int32)
+    """Per-call µs of one layer's decode, contexts drawn from `context` (inclusive).
+    `rotate`: each call reads the next layer (as a real step does, so the K/V come from
+    DRAM); otherwise the same layer again (cache-warm)."""
+    lens = torch.randint(context[0], context[1] + 1, (batch,), generator=gen, dtype=torch.int32)
     tables = make_tables(lens.tolist(), gen)
     query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     scale = 1 / math.sqrt(HEAD_DIM)
@@ -78,6 +86,8 @@ def bench_decode(
     }
     outs = {}
     for name, mod in backends().items():
+        if name not in backend_names:
+            continue
 
         def step(m=mod) -> None:
             for layer in range(LAYERS):
@@ -95,7 +105,7 @@ def bench_decode(
             "gb_per_s": round(kv_bytes / us / 1e3, 2),
             "ms_per_step_30_layers": round(us * LAYERS / 1e3, 2),
         }
-    if "cpp" in outs:
+    if "cpp" in outs and "torch" in outs:
         result["max_abs_diff_cpp_vs_torch"] = float((outs["cpp"] - outs["torch"]).abs().max())
     return result
 
@@ -169,6 +179,13 @@ def main() -> None:
         "decode_b64_all_layers": bench_decode(kv, gen, repeat, 64, rotate=True),
         "decode_b64_same_layer": bench_decode(kv, gen, repeat, 64, rotate=False),
         "decode_b8_all_layers": bench_decode(kv, gen, repeat, 8, rotate=True),
+        # Few long sequences: the C++ decode splits each one across the threads (split-K).
+        "decode_b1_ctx4096_all_layers": bench_decode(
+            kv, gen, repeat, 1, rotate=True, context=(4096, 4096), backend_names=("cpp",)
+        ),
+        "decode_b2_ctx4096_all_layers": bench_decode(
+            kv, gen, repeat, 2, rotate=True, context=(4000, 4096), backend_names=("cpp",)
+        ),
         "prefill_4x256": bench_prefill(kv, gen, max(3, repeat // 5), 0),
         "prefill_4x256_after_256_cached": bench_prefill(kv, gen, max(3, repeat // 5), 256),
         "write_kv_decode_64": bench_write(kv, gen, repeat, 64),

@@ -3,11 +3,17 @@
 //
 // KV cache layout: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], K at
 // index 0 of dim 2, V at 1. `paged_attention` attends straight from the blocks (nothing is
-// gathered into contiguous tensors). One work item is (sequence, kv head, a tile of query
-// rows): the G query heads of that kv head for those rows are loaded once, scored against
-// every key of the context (pass 1), soft-maxed in float32, then used to weight the values
-// (pass 2). Decode is the one-row-per-sequence case; a prefill chunk is the case of q_len
-// rows that are the last q_len positions of a context whose K/V are all already written.
+// gathered into contiguous tensors): the queries are scored against every key of the context
+// (pass 1), soft-maxed in float32, then used to weight the values (pass 2).
+//
+// Prefill (a chunk of q_len rows that are the last q_len positions of a context whose K/V are
+// all already written): one work item is (sequence, kv head, a tile of query rows), the G
+// query heads of that kv head for those rows.
+//
+// Decode (one row per sequence; bound by reading K/V from DRAM): one work item is a
+// sequence, all its heads, so that each block's K tile and V tile (block_size x KVH x D,
+// contiguous: 6 KB at SmolLM2 shapes) are read whole, in turn, with software prefetching
+// ahead; long contexts of small batches are split across threads (split-K).
 // The SIMD kernels live in paged_attention_simd.h.
 
 #include <ATen/Parallel.h>
@@ -15,7 +21,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "paged_attention_simd.h"
@@ -77,8 +85,9 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
   const T* head_base = cache + geo.layer_offset + it.kv_head * D;
   float* scores = sc.scores.data();
 
-  // Pass 0 scores the keys block by block, pass 1 sums the values. (Software prefetching of
-  // the next blocks measured no better than the hardware prefetchers, so there is none.)
+  // Pass 0 scores the keys block by block, pass 1 sums the values. (No software prefetch:
+  // an item reuses each key and value for many query rows, and prefetching block b + 2's
+  // rows measured no better at prefill shapes; decode, bound by DRAM, does prefetch.)
   for (int pass = 0; pass < 2; ++pass) {
     const int64_t kv_off = pass == 0 ? 0 : geo.value_offset;
     for (int b = 0; b < nblocks; ++b) {
@@ -126,6 +135,222 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
     for (; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
   }
   return true;
+}
+
+// ------------------------------------------------------------------------ decode
+// Decode item: tokens [j0, j1) (j0 block-aligned) of sequence `seq`'s context, for all its
+// query heads. part < 0: the whole context, the result goes straight to `out`; otherwise
+// the unnormalised partial sums go to slot `part` of the split-K buffers.
+struct DecodeItem {
+  int32_t seq, j0, j1, part;
+};
+
+// Split-K partials: acc [parts, H, D] (sum_t e^(scale (s_t - m)) v_t), m and l [parts, H]
+// (the max raw score and sum_t e^(scale (s_t - m))).
+struct Partials {
+  std::vector<float> acc, m, l;
+};
+
+// Lines [l0, l1) (64 bytes each) from p on, prefetched into L2.
+inline void prefetch_lines(const void* p, int64_t l0, int64_t l1) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t l = l0; l < l1; ++l) {
+    __builtin_prefetch(c + l * 64, 0, 2);  // 2: into L2 (prefetcht1)
+    // Without this, GCC (12) finds a helper that only prefetches side-effect free and
+    // deletes the calls: the prefetches silently compile to nothing.
+    asm volatile("" : : "r"(c + l * 64));
+  }
+}
+
+// How many tiles ahead of the one in use are prefetched. Measured at SmolLM2 decode shapes
+// (batch 64, random blocks, DRAM-cold): every line of the tile into L2 (prefetcht1), spread
+// over the kv heads' kernel calls, takes ~0.55x the time of no prefetching. A whole tile
+// issued at once: ~0.75x; prefetcht0 or every other line: no better than none; K and V
+// together: worse; distances 1-16: all about the same.
+constexpr int kPrefetchTiles = 2;
+
+// One decode item. Walks the item's blocks in table order; inside a block, every kv head's
+// G queries score (pass 0) or weight (pass 1) that head's rows, so each block's K tile, then
+// its V tile, is consumed whole (block_size x KVH x D, contiguous), while the tile
+// kPrefetchTiles ahead is prefetched a kv head's share at a time. Returns false on a block
+// id outside the cache.
+template <typename T>
+bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, const T* query,
+                T* out, const int32_t* table, const DecodeItem& it, Scratch<T>& sc, Partials& pt) {
+  const int D = static_cast<int>(geo.head_dim), G = static_cast<int>(geo.group);
+  const int BS = static_cast<int>(geo.block_size), KVH = static_cast<int>(geo.num_kv_heads);
+  const int R = static_cast<int>(geo.num_heads);
+  const int n_tok = it.j1 - it.j0;
+  const int64_t ld = (n_tok + 31) & ~int64_t{31};
+  const size_t qsize = static_cast<size_t>(R) * D;
+  sc.qraw.resize(qsize);
+  sc.qf.resize(qsize);
+  sc.acc.assign(qsize, 0.f);
+  sc.scores.resize(static_cast<size_t>(R) * ld);
+  sc.inv.resize(R);
+  std::memcpy(sc.qraw.data(), query + static_cast<int64_t>(it.seq) * R * D, sizeof(T) * qsize);
+  if (!kern.bf16_dot)
+    for (size_t e = 0; e < qsize; ++e) sc.qf[e] = static_cast<float>(sc.qraw[e]);
+
+  const int b0 = it.j0 / BS, b1 = (it.j1 + BS - 1) / BS, nb = b1 - b0;
+  for (int b = b0; b < b1; ++b)
+    if (table[b] < 0 || table[b] >= geo.num_blocks) return false;
+  const T* layer_base = cache + geo.layer_offset;
+  float* scores = sc.scores.data();
+
+  // Tile i of the item: the K tile of block b0 + i for i < nb, then the V tile of b0 + i - nb.
+  const int64_t tile_lines = (geo.value_offset * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  auto prefetch = [&](int i, int part, int parts) {
+    if (i >= 2 * nb) return;
+    const T* p = layer_base + table[b0 + i % nb] * geo.block_stride +
+                 (i < nb ? 0 : geo.value_offset);
+    prefetch_lines(p, tile_lines * part / parts, tile_lines * (part + 1) / parts);
+  };
+  for (int i = 0; i < kPrefetchTiles; ++i) prefetch(i, 0, 1);
+
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t kv_off = pass == 0 ? 0 : geo.value_offset;
+    for (int b = b0; b < b1; ++b) {
+      const int jt = b * BS - it.j0;  // the block's first token, item-relative
+      const int n = std::min(BS, it.j1 - b * BS);
+      const T* blk = layer_base + table[b] * geo.block_stride + kv_off;
+      for (int h = 0; h < KVH; ++h) {
+        prefetch(pass * nb + b - b0 + kPrefetchTiles, h, KVH);
+        const T* rows = blk + h * D;
+        const int r0 = h * G;
+        if (pass == 0) {
+          for (int g0 = 0; g0 < G; g0 += 4) {
+            const int r = r0 + g0;
+            kern.qk(sc.qf.data() + r * D, sc.qraw.data() + r * D, std::min(4, G - g0), D, rows,
+                    geo.token_stride, n, scores + r * ld + jt, ld);
+          }
+        } else {
+          kern.pv(scores + r0 * ld + jt, sc.pb.data() + r0 * ld + jt, ld, G, D, rows,
+                  geo.token_stride, n, sc.acc.data() + r0 * D);
+        }
+      }
+    }
+    if (pass == 1) break;
+    if (it.part < 0) {
+      for (int r = 0; r < R; ++r)
+        sc.inv[r] = softmax_row(scores + r * ld, n_tok, n_tok, geo.scale);
+    } else {
+      float* m = pt.m.data() + static_cast<size_t>(it.part) * R;
+      float* l = pt.l.data() + static_cast<size_t>(it.part) * R;
+      for (int r = 0; r < R; ++r) {
+        sc.inv[r] = softmax_row(scores + r * ld, n_tok, n_tok, geo.scale, &m[r]);
+        l[r] = 1.f / sc.inv[r];
+      }
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (Kernels<T>::kDot)
+      if (kern.bf16_dot) {
+        sc.pb.resize(static_cast<size_t>(R) * ld + 32);  // a pair read may pass the end
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < n_tok; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[r * ld + j]);
+      }
+#endif
+  }
+#if defined(__AVX512BF16__)
+  if (kern.bf16_dot) unpermute_bf16(sc.acc.data(), static_cast<int>(qsize));
+#endif
+
+  if (it.part >= 0) {
+    std::memcpy(pt.acc.data() + static_cast<size_t>(it.part) * qsize, sc.acc.data(),
+                sizeof(float) * qsize);
+    return true;
+  }
+  T* dst = out + static_cast<int64_t>(it.seq) * R * D;
+  for (int r = 0; r < R; ++r) {
+    const float* a = sc.acc.data() + static_cast<size_t>(r) * D;
+    const float inv = sc.inv[r];
+    T* o = dst + r * D;
+    int d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16)
+      store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(inv)));
+#endif
+    for (; d < D; ++d) o[d] = static_cast<T>(a[d] * inv);
+  }
+  return true;
+}
+
+// Decode: one item per sequence (all its heads), longest first. When a few sequences hold
+// most of the tokens (say batch 1-2 at context 4096), a sequence longer than twice the
+// chunk (about 1/(4 x threads) of all tokens, at least kMinChunk) is split into equal
+// block-aligned parts (split-K) whose partial softmax sums are merged at the end.
+template <typename T>
+void decode_impl(const Geometry& geo, const torch::Tensor& query, const torch::Tensor& kv_cache,
+                 torch::Tensor& out, const int32_t* tables, const int32_t* seq_lens,
+                 int64_t num_seqs) {
+  const Kernels<T> kern(geo.head_dim);
+  const int64_t threads = std::max(1, at::get_num_threads());
+  constexpr int64_t kMinChunk = 256;
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
+  const int64_t chunk = std::max(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<DecodeItem> items;
+  std::vector<int64_t> split_seqs, first_part{0};
+  int32_t parts = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = seq_lens[s];
+    if (threads == 1 || len <= 2 * chunk) {
+      items.push_back({static_cast<int32_t>(s), 0, static_cast<int32_t>(len), -1});
+      continue;
+    }
+    const int64_t n = (len + chunk - 1) / chunk;
+    const int64_t step = ((len + n - 1) / n + geo.block_size - 1) / geo.block_size * geo.block_size;
+    for (int64_t j0 = 0; j0 < len; j0 += step)
+      items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(j0),
+                       static_cast<int32_t>(std::min(len, j0 + step)), parts++});
+    split_seqs.push_back(s);
+    first_part.push_back(parts);
+  }
+  // Longest first, then handed out one at a time: balances ragged batches across threads.
+  std::stable_sort(items.begin(), items.end(), [](const DecodeItem& a, const DecodeItem& b) {
+    return a.j1 - a.j0 > b.j1 - b.j0;
+  });
+  const int64_t H = geo.num_heads, D = geo.head_dim;
+  Partials pt;
+  pt.acc.resize(static_cast<size_t>(parts) * H * D);
+  pt.m.resize(static_cast<size_t>(parts) * H);
+  pt.l.resize(static_cast<size_t>(parts) * H);
+
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const T* cache = kv_cache.data_ptr<T>();
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> bad{false};
+  const int64_t workers = std::max<int64_t>(1, std::min(threads, num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    static thread_local Scratch<T> sc;  // kept across calls: no allocation per step
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const DecodeItem& it = items[i];
+      if (!run_decode<T>(geo, kern, cache, q, o, tables + it.seq * geo.table_stride, it, sc, pt))
+        bad = true;
+    }
+  });
+  TORCH_CHECK(!bad, "paged_attention: block table entry outside the cache");
+
+  // out = sum_p w_p acc_p / sum_p w_p l_p with w_p = e^(scale (m_p - max_p m_p)).
+  std::vector<float> num(D);
+  for (size_t k = 0; k < split_seqs.size(); ++k) {
+    T* dst = o + split_seqs[k] * H * D;
+    for (int64_t r = 0; r < H; ++r) {
+      float mx = -std::numeric_limits<float>::infinity(), den = 0.f;
+      for (int64_t p = first_part[k]; p < first_part[k + 1]; ++p)
+        mx = std::max(mx, pt.m[p * H + r]);
+      std::fill(num.begin(), num.end(), 0.f);
+      for (int64_t p = first_part[k]; p < first_part[k + 1]; ++p) {
+        const float w = std::exp(geo.scale * (pt.m[p * H + r] - mx));
+        den += w * pt.l[p * H + r];
+        const float* a = pt.acc.data() + (p * H + r) * D;
+        for (int64_t d = 0; d < D; ++d) num[d] += w * a[d];
+      }
+      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<T>(num[d] / den);
+    }
+  }
 }
 
 template <typename T>
@@ -231,13 +456,22 @@ torch::Tensor paged_attention(torch::Tensor query, const torch::Tensor& kv_cache
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   switch (query.scalar_type()) {
     case torch::kFloat:
-      attention_impl<float>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      if (qsl)
+        attention_impl<float>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      else
+        decode_impl<float>(geo, query, kv_cache, out, tables, lens, num_seqs);
       break;
     case torch::kBFloat16:
-      attention_impl<c10::BFloat16>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      if (qsl)
+        attention_impl<c10::BFloat16>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      else
+        decode_impl<c10::BFloat16>(geo, query, kv_cache, out, tables, lens, num_seqs);
       break;
     case torch::kHalf:
-      attention_impl<c10::Half>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      if (qsl)
+        attention_impl<c10::Half>(geo, query, kv_cache, out, tables, lens, qsl, num_seqs);
+      else
+        decode_impl<c10::Half>(geo, query, kv_cache, out, tables, lens, num_seqs);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());

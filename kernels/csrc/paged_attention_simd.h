@@ -241,8 +241,9 @@ void pv_scalar(const float* p, int64_t ld, int nq, int D, const T* v, int64_t vs
     }
 }
 
-// Turns s[0, len) into exp(scale * (s - max)) and zeroes s[len, end); returns 1 / sum.
-inline float softmax_row(float* s, int len, int end, float scale) {
+// Turns s[0, len) into exp(scale * (s - max)) and zeroes s[len, end); returns 1 / sum (and
+// the max in *max_out if given).
+inline float softmax_row(float* s, int len, int end, float scale, float* max_out = nullptr) {
   int j = 0;
   float m = -std::numeric_limits<float>::infinity();
   float sum = 0.f;
@@ -268,6 +269,7 @@ inline float softmax_row(float* s, int len, int end, float scale) {
     sum += s[j];
   }
   std::fill(s + len, s + end, 0.f);
+  if (max_out) *max_out = m;
   return 1.f / sum;
 }
 

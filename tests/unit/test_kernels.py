@@ -19,6 +19,7 @@ from types import ModuleType
 
 import pytest
 import torch
+
 from pdserve.kernels import attention, cpu_extension, reference, torch_paged
 
 # Triton (optional) runs its kernels through its interpreter here; it must be told before it
@@ -111,6 +112,31 @@ def test_decode_matches_dense(name: str, dtype: torch.dtype, group: int, block_s
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     got = mod.decode_attention(query, pool.kv, pool.layer, pool.tables, seq_lens, scale)
     assert got.shape == query.shape and got.dtype == dtype
+    for s, n in enumerate(lens):
+        want = reference.dense_attention(query[s : s + 1], pool.k[s], pool.v[s], n - 1, scale)
+        assert_close(got[s : s + 1], want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("lens", [[3001], [77, 4096]])
+def test_cpp_split_decode_matches_dense(
+    dtype: torch.dtype, block_size: int, lens: list[int]
+) -> None:
+    """Long contexts in a small batch: the C++ decode splits them across threads (split-K,
+    partial softmax sums merged at the end), next to an unsplit short sequence."""
+    mod = backend("cpp")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs more than one thread
+    try:
+        gen = torch.Generator().manual_seed(5 + block_size + len(lens))
+        pool = Pool(lens, block_size, dtype, gen)
+        query = torch.randn(len(lens), 3 * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        scale = 1 / math.sqrt(HEAD_DIM)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        got = mod.decode_attention(query, pool.kv, pool.layer, pool.tables, seq_lens, scale)
+    finally:
+        torch.set_num_threads(threads)
     for s, n in enumerate(lens):
         want = reference.dense_attention(query[s : s + 1], pool.k[s], pool.v[s], n - 1, scale)
         assert_close(got[s : s + 1], want, dtype)
