@@ -1,10 +1,11 @@
-"""Fused per-token operations between the matmuls of each layer: residual add + RMSNorm,
-rotary embedding (rotate-half form) and SiLU-and-multiply.
+"""Per-token operations between the matmuls of each layer: residual add + RMSNorm, rotary
+embedding (rotate-half form) and SiLU-and-multiply, in the reference model's order and
+rounding.
 
-The model runner calls these for every layer of every step. On CPU in bfloat16/float16 they
-run in the C++ extension (`csrc/fused_ops.cpp`: one pass over memory each); otherwise — and
-always in float32, where the engine must match the reference model exactly — they are plain
-torch ops in the reference model's order. `PDSERVE_FUSED_OPS=0` forces the torch path."""
+The model runner calls these for every layer of every step. Rotary runs in the C++ extension
+(`csrc/fused_ops.cpp`, one in-place pass) on CPU in bfloat16/float16; everything else, and
+float32 (where the engine must match the reference model exactly), uses torch's own kernels.
+`PDSERVE_FUSED_OPS=0` forces the torch path."""
 
 from __future__ import annotations
 
@@ -39,9 +40,6 @@ def extension_for(x: torch.Tensor) -> ModuleType | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x); normalised in float32 and rounded before scaling."""
-    ext = extension_for(x)
-    if ext is not None:
-        return ext.add_rms_norm(None, x.contiguous(), weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
@@ -51,21 +49,14 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual)."""
-    ext = extension_for(x)
-    if ext is not None:
-        residual = residual.contiguous()
-        return ext.add_rms_norm(x.contiguous(), residual, weight, eps), residual
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] → silu(gate) * up."""
-    ext = extension_for(x)
-    if ext is not None:
-        return ext.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def rotary(

@@ -1,63 +1,16 @@
-// pdserve CPU fused element-wise ops: the per-token work between the matmuls of every layer
-// (residual add + RMSNorm, rotary embedding, SiLU-and-multiply), one pass over memory each
-// instead of the 3-7 passes the equivalent torch ops take. Arithmetic in float32, rounding
-// to the tensor's dtype where the reference model rounds.
+// pdserve CPU fused per-token ops. Rotary embedding: one in-place pass over q and k instead
+// of the slice/negate/concatenate/multiply/add passes the torch formulation takes (measured
+// ~45x faster for a 2048-token chunk). RMSNorm and SiLU-and-multiply stay on torch's own
+// vectorised kernels, which measured faster than plain loops here (exp is not vectorised).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <cmath>
 
 namespace {
 
 template <typename T>
 inline T round_to(float v) {
   return static_cast<T>(v);
-}
-
-// residual <- x + residual (rounded to T); out <- weight * T(residual * rsqrt(mean(residual^2) + eps)).
-// With add == false, residual is only read (the first layer's input norm).
-template <typename T>
-void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t rows,
-                       int64_t hidden, double eps, bool add) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(hidden);
-    for (int64_t r = begin; r < end; ++r) {
-      T* res = residual + r * hidden;
-      float sumsq = 0.f;
-      if (add) {
-        const T* xr = x + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
-          const T v = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(res[i]));
-          res[i] = v;
-          buf[i] = static_cast<float>(v);
-        }
-      } else {
-        for (int64_t i = 0; i < hidden; ++i) buf[i] = static_cast<float>(res[i]);
-      }
-      for (int64_t i = 0; i < hidden; ++i) sumsq += buf[i] * buf[i];
-      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(hidden) + static_cast<float>(eps));
-      T* o = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i)
-        o[i] = round_to<T>(static_cast<float>(weight[i]) *
-                           static_cast<float>(round_to<T>(buf[i] * inv)));
-    }
-  });
-}
-
-// out[t, i] = silu(x[t, i]) * x[t, inter + i], x = [T, 2 * inter].
-template <typename T>
-void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = x + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = static_cast<float>(g[i]);
-        o[i] = round_to<T>(gv / (1.f + std::exp(-gv)) * static_cast<float>(u[i]));
-      }
-    }
-  });
 }
 
 // Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, row_stride]:
@@ -91,36 +44,6 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
-// residual [T, H] is updated in place (+= x unless x is None); returns the normed [T, H].
-torch::Tensor add_rms_norm(const c10::optional<torch::Tensor>& x, torch::Tensor residual,
-                           const torch::Tensor& weight, double eps) {
-  check_cpu_contiguous(residual, "residual");
-  check_cpu_contiguous(weight, "weight");
-  TORCH_CHECK(residual.dim() == 2 && weight.numel() == residual.size(1), "shape mismatch");
-  if (x) {
-    check_cpu_contiguous(*x, "x");
-    TORCH_CHECK(x->sizes() == residual.sizes() && x->dtype() == residual.dtype(), "x/residual");
-  }
-  auto out = torch::empty_like(residual);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
-    add_rms_norm_impl<scalar_t>(x ? x->data_ptr<scalar_t>() : nullptr, residual.data_ptr<scalar_t>(),
-                                weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                residual.size(0), residual.size(1), eps, x.has_value());
-  });
-  return out;
-}
-
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  check_cpu_contiguous(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 * intermediate]");
-  const int64_t inter = x.size(1) / 2;
-  auto out = torch::empty({x.size(0), inter}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), inter);
-  });
-  return out;
-}
-
 // qkv [T, row] contiguous; rotates heads [0, heads) of head_dim each; cos_sin [P, 2, head_dim]
 // float32; positions [T] int64 < P.
 void rotary_(torch::Tensor qkv, const torch::Tensor& positions, const torch::Tensor& cos_sin,
@@ -143,7 +66,5 @@ void rotary_(torch::Tensor qkv, const torch::Tensor& positions, const torch::Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
-  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,4 +1,4 @@
-"""The fused C++ per-token ops against their plain torch reference (float32 maths)."""
+"""The per-token ops (C++ rotary, torch norm and activation) against plain float32 maths."""
 
 from __future__ import annotations
 
