@@ -66,17 +66,18 @@ def num_kv_blocks(config: EngineConfig, hf_config: PretrainedConfig) -> int:
 def allocate_kv_cache(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The KV cache tensor. Pages are committed only as blocks are first written. On CPU it
-    is an anonymous mapping advised onto transparent huge pages: decode attention reads
-    blocks scattered over the whole pool, and 2 MB pages spare it most TLB misses (measured:
-    decode attention ~25% faster at batch 64)."""
+    """The KV cache tensor, committed up front. On CPU it is an anonymous mapping advised onto
+    transparent huge pages: decode attention reads blocks scattered over the whole pool, and
+    2 MB pages spare it most TLB misses (measured: decode attention ~25% faster at batch 64).
+    Touching every page here moves the page faults from the first requests' steps (measured:
+    writing a fresh block's K/V several times slower) to start-up."""
     if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=dtype).view(shape)
+    return torch.frombuffer(region, dtype=dtype).view(shape).zero_()
 
 
 class ModelRunner:

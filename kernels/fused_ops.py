@@ -2,10 +2,11 @@
 embedding (rotate-half form) and SiLU-and-multiply, in the reference model's order and
 rounding.
 
-The model runner calls these for every layer of every step. Rotary runs in the C++ extension
-(`csrc/fused_ops.cpp`, one in-place pass) on CPU in bfloat16/float16; everything else, and
-float32 (where the engine must match the reference model exactly), uses torch's own kernels.
-`PDSERVE_FUSED_OPS=0` forces the torch path."""
+The model runner calls these for every layer of every step. On CPU the C++ extension
+(`csrc/fused_ops.cpp`) serves rotary in bfloat16/float16 and residual add + RMSNorm in
+bfloat16 (one pass each); everything else, and float32 (where the engine must match the
+reference model exactly), uses torch's own kernels. `PDSERVE_FUSED_OPS=0` forces the torch
+path."""
 
 from __future__ import annotations
 
@@ -38,8 +39,23 @@ def extension_for(x: torch.Tensor) -> ModuleType | None:
     return load()
 
 
+def _fast_rms(x: torch.Tensor):
+    ext = extension_for(x)
+    if (
+        ext is not None
+        and ext.fast_rms_norm
+        and x.dtype == torch.bfloat16
+        and x.shape[-1] % 16 == 0
+    ):
+        return ext
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x); normalised in float32 and rounded before scaling."""
+    ext = _fast_rms(x)
+    if ext is not None:
+        return ext.add_rms_norm(None, x.contiguous(), weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
@@ -48,7 +64,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual)."""
+    """(RMSNorm(x + residual) * weight, x + residual). May update `residual` in place."""
+    ext = _fast_rms(x)
+    if ext is not None:
+        residual = residual.contiguous()
+        return ext.add_rms_norm(x.contiguous(), residual, weight, eps), residual
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 

@@ -4,7 +4,12 @@ time in the fastest layout for its device.
 On CPU in bfloat16/float16 the weight is reordered once into oneDNN's blocked layout: the
 same arithmetic (bit-identical results) at 20–30% more GFLOP/s for decode-sized batches than
 `F.linear` on a plain weight, which re-packs on every call. float32 and GPUs use `F.linear`.
-`PDSERVE_PACKED_LINEAR=0` turns packing off (for comparisons)."""
+`PDSERVE_PACKED_LINEAR=0` turns packing off (for comparisons).
+
+Batch invariance: on the packed path every row is computed the same way whatever the batch
+size, except that oneDNN reduces a lone row differently; a one-row input is therefore padded
+to two. So a request's numbers, and a seeded request's samples, do not depend on what else
+is in its batch."""
 
 from __future__ import annotations
 
@@ -40,5 +45,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            if x.shape[0] == 1:
+                return self._packed(x.expand(2, -1))[:1]
+            return self._packed(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

@@ -22,7 +22,12 @@ def _all_free(eng) -> bool:
     return eng.kv_cache.num_free_blocks == eng.runner.num_blocks
 
 
-def test_seed_gives_same_tokens_whatever_the_batch(eng):
+def test_seed_gives_same_tokens_whatever_the_batch(default_model_dir):
+    # Prefix caching off: a cache hit changes which tokens a prefill computes, and with them
+    # the bf16 rounding of the rest; the seed's guarantee is about the batch.
+    eng = engine(
+        default_model_dir, dtype="bfloat16", kv_cache_tokens=8192, enable_prefix_caching=False
+    )
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
     alone = eng.generate([QUESTION], params)[0].token_ids
     others = [

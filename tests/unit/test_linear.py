@@ -31,3 +31,14 @@ def test_packing_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
     layer = Linear(torch.randn(8, 8, dtype=torch.bfloat16))
     assert not layer.packed
+
+
+def test_rows_do_not_depend_on_batch_size():
+    """A row's result is bit-identical whatever the batch size (what makes seeded sampling
+    independent of the batch); 1536 inputs is a shape where oneDNN treats a lone row apart."""
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear((torch.randn(576, 1536, generator=gen) * 0.05).to(torch.bfloat16))
+    x = torch.randn(64, 1536, generator=gen).to(torch.bfloat16)
+    alone = layer(x[:1])
+    for rows in (2, 3, 17, 64):
+        assert torch.equal(layer(x[:rows])[:1], alone), rows
