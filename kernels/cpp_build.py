@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -71,3 +72,11 @@ def load_extension(name: str, sources: list[Path], verbose: bool = False) -> Mod
                 logger.warning("pdserve C++ extension %s unavailable (%s)", name, first_line)
             _loaded[name] = module
     return _loaded[name]
+
+
+def build_main(name: str, sources: list[Path]) -> int:
+    """`python -m pdserve.kernels.<module>`: build ahead of time (the Makefile's install)."""
+    logging.basicConfig(level=logging.INFO)
+    ok = load_extension(name, sources, verbose="-v" in sys.argv) is not None
+    print(f"{name}: built in {build_dir(name)}" if ok else f"{name}: build FAILED")
+    return 0 if ok else 1

@@ -14,83 +14,22 @@ logs one warning and returns None, and the dispatcher falls back to the torch ba
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
+from pdserve.kernels.cpp_build import build_main, load_extension
 
 EXTENSION_NAME = "pdserve_paged_attention"
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-ARCH_ENV = "PDSERVE_CPU_ARCH"
-
-
-def _arch() -> str:
-    return os.environ.get(ARCH_ENV) or "native"
-
-
-def _cflags() -> list[str]:
-    return ["-O3", f"-march={_arch()}", "-fopenmp", "-DNDEBUG"]
-
-
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_failed = False
-
-
-def _cpu_tag() -> str:
-    """Short fingerprint of this CPU's instruction sets: a build made with -march=native on
-    another machine (say, at image build time) is then rebuilt instead of crashing."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
-
-
-def build_dir() -> Path:
-    """Where the compiled extension is cached (one directory per CPU kind)."""
-    root = os.environ.get("PDSERVE_BUILD_DIR") or "~/.cache/pdserve/torch_extensions"
-    return Path(root).expanduser() / f"{EXTENSION_NAME}-{_arch()}-{_cpu_tag()}"
+SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
 
 
 def load(verbose: bool = False) -> ModuleType | None:
     """The compiled extension (built on first use), or None if it cannot be built."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils import cpp_extension
-
-                directory = build_dir()
-                directory.mkdir(parents=True, exist_ok=True)
-                _module = cpp_extension.load(
-                    name=EXTENSION_NAME,
-                    sources=[str(SOURCE)],
-                    extra_cflags=_cflags(),
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    verbose=verbose,
-                )
-            except Exception as exc:  # compiler missing, build error, bad cache dir...
-                _failed = True
-                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                logger.warning(
-                    "pdserve CPU attention extension unavailable (%s); using the torch path",
-                    first_line,
-                )
-    return _module
+    return load_extension(EXTENSION_NAME, SOURCES, verbose)
 
 
 def _ext() -> ModuleType:
@@ -145,7 +84,4 @@ def prefill_attention(
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    ok = load(verbose="-v" in sys.argv) is not None
-    print(f"{EXTENSION_NAME}: {'built in ' + str(build_dir()) if ok else 'build FAILED'}")
-    sys.exit(0 if ok else 1)
+    sys.exit(build_main(EXTENSION_NAME, SOURCES))

@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpp_build import load_extension
+from pdserve.kernels.cpp_build import build_main, load_extension
 
 EXTENSION_NAME = "pdserve_fused_ops"
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
@@ -99,4 +99,4 @@ def rotary(
 
 
 if __name__ == "__main__":
-    sys.exit(0 if load(verbose=True) is not None else 1)
+    sys.exit(build_main(EXTENSION_NAME, [SOURCE]))
