@@ -4,7 +4,7 @@ checked once at start-up. Everything that sizes the engine (KV cache, batch limi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,6 @@ class EngineConfig:
     # None: the model's own limit (max_position_embeddings).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -59,16 +58,6 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         return self
-
-    @classmethod
-    def env_defaults(cls) -> dict[str, str]:
-        """`PDSERVE_<FIELD>` variables that are set, by field name (for containers)."""
-        out = {}
-        for f in fields(cls):
-            value = os.environ.get(f"PDSERVE_{f.name.upper()}")
-            if value is not None:
-                out[f.name] = value
-        return out
 
 
 def default_threads() -> int:

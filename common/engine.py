@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,9 +234,3 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, disable=not enabled, desc="requests", unit="req", file=None)
-
-
-def iter_outputs(engine: LLMEngine) -> Iterable[RequestOutput]:
-    """Step until every request is done, yielding each output as it appears."""
-    while engine.has_unfinished_requests():
-        yield from engine.step()

@@ -69,10 +69,6 @@ class Scheduler:
         return bool(self.requests)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self.running)
 
