@@ -51,6 +51,33 @@ struct Scratch {
   std::vector<T> qraw, pb;
 };
 
+// Row r of the output: acc[r] * inv (the softmax normaliser), rounded to T.
+template <typename T>
+inline void store_scaled_row(T* dst, const float* acc, float inv, int D) {
+  int d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16)
+    store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(inv)));
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+}
+
+// The bf16-dot value pass reads the probabilities as bf16 pairs: convert R rows of n scores.
+template <typename T>
+inline void probs_to_bf16(const Kernels<T>& kern, Scratch<T>& sc, const float* scores, int R,
+                          int64_t ld, int n) {
+#if defined(__AVX512BF16__)
+  if constexpr (Kernels<T>::kDot)
+    if (kern.bf16_dot) {
+      sc.pb.resize(static_cast<size_t>(R) * ld + 32);  // a pair read may pass the end
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < n; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[r * ld + j]);
+    }
+#else
+  (void)kern, (void)sc, (void)scores, (void)R, (void)ld, (void)n;
+#endif
+}
+
 // One (sequence, kv head, query rows [row0, row0 + rows)) item. Query r = i * G + g is row
 // i's head kv_head * G + g; it attends to its first prefix + row0 + i + 1 positions.
 // Returns false on a block id outside the cache.
@@ -109,14 +136,7 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
     if (pass == 1) break;
     for (int r = 0; r < R; ++r)
       sc.inv[r] = softmax_row(scores + r * ld, ctx_of(r), ctx_max, geo.scale);
-#if defined(__AVX512BF16__)
-    if constexpr (Kernels<T>::kDot)
-      if (kern.bf16_dot) {
-        sc.pb.resize(static_cast<size_t>(R) * ld + 32);  // a pair read may pass the end
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < ctx_max; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[r * ld + j]);
-      }
-#endif
+    probs_to_bf16(kern, sc, scores, R, ld, ctx_max);
   }
 #if defined(__AVX512BF16__)
   if (kern.bf16_dot) unpermute_bf16(sc.acc.data(), static_cast<int>(qsize));
@@ -125,14 +145,7 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
   for (int r = 0; r < R; ++r) {
     const int i = r / G, g = r % G;
     T* dst = out + ((q_start + it.row0 + i) * geo.num_heads + it.kv_head * G + g) * D;
-    const float* a = sc.acc.data() + static_cast<size_t>(r) * D;
-    const float inv = sc.inv[r];
-    int d = 0;
-#if defined(__AVX512F__)
-    for (; d + 16 <= D; d += 16)
-      store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(inv)));
-#endif
-    for (; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
+    store_scaled_row(dst, sc.acc.data() + static_cast<size_t>(r) * D, sc.inv[r], D);
   }
   return true;
 }
@@ -242,14 +255,7 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
         l[r] = 1.f / sc.inv[r];
       }
     }
-#if defined(__AVX512BF16__)
-    if constexpr (Kernels<T>::kDot)
-      if (kern.bf16_dot) {
-        sc.pb.resize(static_cast<size_t>(R) * ld + 32);  // a pair read may pass the end
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < n_tok; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[r * ld + j]);
-      }
-#endif
+    probs_to_bf16(kern, sc, scores, R, ld, n_tok);
   }
 #if defined(__AVX512BF16__)
   if (kern.bf16_dot) unpermute_bf16(sc.acc.data(), static_cast<int>(qsize));
@@ -261,17 +267,8 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
     return true;
   }
   T* dst = out + static_cast<int64_t>(it.seq) * R * D;
-  for (int r = 0; r < R; ++r) {
-    const float* a = sc.acc.data() + static_cast<size_t>(r) * D;
-    const float inv = sc.inv[r];
-    T* o = dst + r * D;
-    int d = 0;
-#if defined(__AVX512F__)
-    for (; d + 16 <= D; d += 16)
-      store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(inv)));
-#endif
-    for (; d < D; ++d) o[d] = static_cast<T>(a[d] * inv);
-  }
+  for (int r = 0; r < R; ++r)
+    store_scaled_row(dst + r * D, sc.acc.data() + static_cast<size_t>(r) * D, sc.inv[r], D);
   return true;
 }
 
