@@ -8,6 +8,7 @@ at once, its full blocks staying in the prefix cache for whoever shares its pref
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
@@ -75,15 +76,18 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _eos_token_ids(self) -> frozenset[int]:
+        """EOS ids from the model config, the generation config (where chat models list
+        several) and the tokenizer."""
+        sources = [getattr(self.runner.hf_config, "eos_token_id", None)]
+        sources.append(self.tokenizer.eos_token_id)
+        with contextlib.suppress(OSError):  # the folder may have no generation_config.json
+            sources.append(GenerationConfig.from_pretrained(self.model_dir).eos_token_id)
         ids: set[int] = set()
-        for source in (self.runner.hf_config, getattr(self.tokenizer, "init_kwargs", {})):
-            eos = getattr(source, "eos_token_id", None)
+        for eos in sources:
             if isinstance(eos, int):
                 ids.add(eos)
-            elif isinstance(eos, list):
+            elif isinstance(eos, list | tuple):
                 ids.update(eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
     # ---- requests in -------------------------------------------------------------------

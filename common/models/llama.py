@@ -42,9 +42,6 @@ class LlamaForCausalLM:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.config = config
-        self.dtype = dtype
-        self.device = device
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -54,7 +51,6 @@ class LlamaForCausalLM:
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
 
         def take(name: str) -> torch.Tensor:
             return state_dict[name].to(device=device, dtype=dtype).contiguous()

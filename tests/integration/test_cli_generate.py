@@ -84,6 +84,9 @@ def test_generate_mixed_good_and_bad_lines(tmp_path):
     assert "Paris" in results[0]["text"] or "Paris" in results[1]["text"]
     assert results[4]["prompt_tokens"] == 5 and len(results[4]["token_ids"]) == 3
     assert results[1]["finish_reason"] == "stop"  # the chat answer ends with EOS
+    # Greedy continues "three, four, ..."; the stop string ends the text just before " four".
+    assert results[11]["finish_reason"] == "stop"
+    assert results[11]["text"] == " three,"
 
 
 @pytest.mark.parametrize(
