@@ -3,20 +3,38 @@ time in the fastest layout for its device.
 
 On CPU in bfloat16/float16 the weight is reordered once into oneDNN's blocked layout: the
 same arithmetic (bit-identical results) at 20–30% more GFLOP/s for decode-sized batches than
-`F.linear` on a plain weight, which re-packs on every call. float32 and GPUs use `F.linear`.
-`PDSERVE_PACKED_LINEAR=0` turns packing off (for comparisons).
+`F.linear` on a plain weight, which re-packs on every call. float32, GPUs and CPUs without
+oneDNN's bf16 support (AVX2-only) use `F.linear`. `PDSERVE_PACKED_LINEAR=0` turns packing off
+(for comparisons).
 
-Batch invariance: on the packed path every row is computed the same way whatever the batch
-size, except that oneDNN reduces a lone row differently; a one-row input is therefore padded
-to two. So a request's numbers, and a seeded request's samples, do not depend on what else
-is in its batch."""
+Batch invariance: every row is computed the same way whatever the batch size, except that
+oneDNN reduces a lone row differently; on CPU a one-row input is therefore padded to two.
+So a request's numbers, and a seeded request's samples, do not depend on what else is in its
+batch."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT;
+    an AVX2-only CPU refuses)."""
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 2)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -24,8 +42,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
         os.environ.get("PDSERVE_PACKED_LINEAR", "1") != "0"
         and weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and packing_supported(weight.dtype)
     )
 
 
@@ -44,9 +61,12 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            return self._linear(x.expand(2, -1))[:1]
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            if x.shape[0] == 1:
-                return self._packed(x.expand(2, -1))[:1]
             return self._packed(x)
         return F.linear(x, self.weight, self.bias)
 
