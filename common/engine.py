@@ -25,6 +25,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.model_files import resolve_model
 from pdserve.common.model_runner import ModelRunner
+from pdserve.common.prompts import Prompt, max_model_len, tokenize_prompt
 from pdserve.common.request import Request, RequestStatus
 from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
@@ -32,9 +33,6 @@ from pdserve.common.scheduler import Scheduler
 from pdserve.common.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
-
-# A prompt: text, chat messages ([{"role": ..., "content": ...}]), or token ids.
-Prompt = str | list[dict[str, str]] | list[int]
 
 
 @dataclass
@@ -61,11 +59,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.runner = ModelRunner(config, self.model_dir)
-        hf = self.runner.hf_config
-        limit = hf.max_position_embeddings
-        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-            limit = min(limit, hf.sliding_window)  # we attend over the full context
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.max_model_len = max_model_len(self.runner.hf_config, config.max_model_len)
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -94,35 +88,26 @@ class LLMEngine:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, chat messages (template applied) or token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError("prompt", "must be a non-empty string, list of messages "
-                                      "or list of token ids")  # fmt: skip
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.runner.hf_config.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError("token_ids", f"ids must be in [0, {vocab}), got {bad}")
-            return list(prompt)
-        if all(isinstance(m, dict) for m in prompt):
-            for i, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(
-                        f"messages[{i}]", "must have string 'role' and 'content'"
-                    )
-            ids = self.tokenizer.apply_chat_template(
-                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        raise InvalidRequestError("prompt", "a list prompt must be all token ids or all messages")
+        return tokenize_prompt(self.tokenizer, prompt, self.runner.hf_config.vocab_size)
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
     ) -> Request:
-        """Validate, tokenize and queue one request. Raises `InvalidRequestError`."""
+        """Validate, tokenize and queue one request. Raises `InvalidRequestError`. A
+        `prefill_only` request stops after its first token and keeps its KV blocks (status
+        PREFILLED); the caller hands them off and then calls `free_request`."""
+        request = self._new_request(prompt, params, request_id)
+        request.prefill_only = prefill_only
+        self.scheduler.add_request(request)
+        return request
+
+    def _new_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> Request:
         params = (params or SamplingParams()).validate()
         token_ids = self.tokenize(prompt)
         if len(token_ids) > self.max_model_len:
@@ -149,8 +134,62 @@ class LLMEngine:
             self.tokenizer, token_ids, params.skip_special_tokens
         )
         request.stop_checker = StopChecker(params, self.eos_token_ids)
-        self.scheduler.add_request(request)
         return request
+
+    # ---- requests prefilled elsewhere (a decode worker's side of the handoff) ----------
+
+    def new_prefilled_request(
+        self,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """A request whose prompt was computed and first token sampled by another worker.
+        Its output state (detokenizer, stop rules, seeded generator) is brought to where
+        that worker left it, so the tokens after the first are those one engine would give.
+        It holds no blocks yet: see `reserve_prefilled`."""
+        request = self._new_request(list(prompt_token_ids), params, request_id)
+        vocab = self.runner.hf_config.vocab_size
+        if not 0 <= first_token_id < vocab:
+            raise InvalidRequestError(
+                "first_token_id", f"must be in [0, {vocab}), got {first_token_id}"
+            )
+        if request.generator is not None and not request.sampling_params.greedy:
+            # The first draw consumed one row of noise from the generator: consume it here.
+            torch.empty(1, vocab, device=self.runner.device).exponential_(
+                generator=request.generator
+            )
+        request.append_output_token(first_token_id)
+        if self._process_token(request, first_token_id, in_scheduler=False).finished:
+            raise InvalidRequestError(
+                "first_token_id", "the first token already ends this request; nothing to decode"
+            )
+        return request
+
+    def reserve_prefilled(self, request: Request) -> int | None:
+        """Allocate blocks for the prompt and the first token, reusing this worker's cached
+        prefix. Returns how many leading blocks came from the cache (the rest must be
+        filled by a pull), or None when the blocks do not fit now."""
+        cached = self.kv_cache.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv_cache.block_size
+        if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
+            return None
+        request.num_cached_tokens = num_cached
+        self.scheduler.stats.prefix_cache_queries += request.num_prompt_tokens
+        self.scheduler.stats.prefix_cache_hits += num_cached
+        return len(cached)
+
+    def start_prefilled(self, request: Request) -> None:
+        """The pull filled the blocks: register them and join the running batch."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache.cache_full_blocks(request)
+        self.scheduler.add_running(request)
+
+    def free_request(self, request: Request) -> None:
+        """Give back the blocks of a request outside the scheduler (PREFILLED after its
+        handoff, or reserved for a pull that failed)."""
+        self.kv_cache.free(request)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -178,7 +217,9 @@ class LLMEngine:
             outputs.append(self._process_token(request, s.token_id))
         return outputs
 
-    def _process_token(self, request: Request, token_id: int) -> RequestOutput:
+    def _process_token(
+        self, request: Request, token_id: int, in_scheduler: bool = True
+    ) -> RequestOutput:
         assert request.detokenizer is not None and request.stop_checker is not None
         delta = request.detokenizer.add(token_id)
         result = request.stop_checker.check(token_id, delta, flush=request.detokenizer.flush)
@@ -187,7 +228,7 @@ class LLMEngine:
         if not finished and request.num_tokens >= self.max_model_len:
             finished = True
             request.stop_checker.finish_reason = "length"
-        if finished:
+        if finished and in_scheduler:
             reason = result.finish_reason or request.stop_checker.finish_reason
             status = (
                 RequestStatus.FINISHED_LENGTH if reason == "length"
@@ -195,6 +236,10 @@ class LLMEngine:
             )  # fmt: skip
             request.finish_time = time.monotonic()
             self.scheduler.finish(request, status)
+        elif request.prefill_only and in_scheduler:
+            finished = True
+            request.finish_time = time.monotonic()
+            self.scheduler.finish(request, RequestStatus.PREFILLED)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token_id],

@@ -13,6 +13,7 @@ class InvalidRequestError(PdserveError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 class ModelLoadError(PdserveError):

@@ -8,6 +8,7 @@ workers as one buffer): `[num_blocks, num_layers, 2, block_size, num_kv_heads, h
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import mmap
@@ -98,6 +99,7 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler()
+        self.layout_fingerprint = self._layout_fingerprint()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks, self.block_size,
@@ -105,6 +107,20 @@ class ModelRunner:
         )  # fmt: skip
 
     @torch.inference_mode()
+    def _layout_fingerprint(self) -> str:
+        """Names what a KV block holds: two workers may exchange blocks only if this is
+        equal. Shapes and dtype, plus a digest of a few embedding rows so two checkpoints
+        of one architecture do not mix."""
+        m = self.model
+        rows = self.model.embed[:: max(1, self.model.embed.shape[0] // 8)][:8]
+        digest = hashlib.sha256(rows.float().cpu().numpy().tobytes()).hexdigest()[:12]
+        arch = self.hf_config.model_type
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{arch}/{dtype}/layers={m.num_layers}/kv_heads={m.num_kv_heads}/"
+            f"head_dim={m.head_dim}/block={self.block_size}/{digest}"
+        )
+
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         input_ids, positions, meta, sample_idx, sampling = self._prepare(batch)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)

@@ -2,9 +2,10 @@
 
 Lifecycle: WAITING (queued) → RUNNING (has KV blocks, advances each step; prefill chunks
 then decode tokens) → PREEMPTED (blocks taken back, back in the queue to be recomputed) →
-RUNNING … → one of the FINISHED states. The status enum is ordered so `status > PREEMPTED`
-means finished. The scheduler, KV manager, model runner and output path all read and write
-this one object; nothing keeps a parallel copy."""
+RUNNING … → one of the FINISHED states, or PREFILLED (a prefill worker's request after its
+first token: out of the scheduler, blocks kept for the decode worker to pull). The status
+enum is ordered so `status > PREEMPTED` means finished. The scheduler, KV manager, model
+runner and output path all read and write this one object; nothing keeps a parallel copy."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    # Prefill-only request done: it left the scheduler but keeps its blocks for a handoff.
+    PREFILLED = 6
 
     @property
     def finished(self) -> bool:
@@ -54,6 +57,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    # Stop after the first token and keep the KV blocks (a prefill worker's requests).
+    prefill_only: bool = False
     status: RequestStatus = RequestStatus.WAITING
 
     # Prompt followed by every generated token; what the model must have computed KV for.

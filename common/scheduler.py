@@ -131,8 +131,18 @@ class Scheduler:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
 
+    def add_running(self, request: Request) -> None:
+        """Join a request whose KV is already in its blocks (pulled from a prefill worker)
+        straight into the running batch."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stopped, length, aborted) and give back its blocks at once."""
+        """End a request (stopped, length, aborted) and give back its blocks at once; a
+        PREFILLED request keeps its blocks (the caller frees them after the handoff)."""
         assert status.finished
         if request.finished:
             return
@@ -141,7 +151,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request)
+        if status != RequestStatus.PREFILLED:
+            self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:

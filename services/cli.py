@@ -1,22 +1,22 @@
 """The `pdserve` command line: the front door of every pdserve process.
 
-Subcommands today: `generate` (offline batch generation from JSONL) and `demo` (streams
-answers to a few chat prompts on the embedded default model; `make serve` runs it). Every
-engine flag can also come from a `PDSERVE_<FLAG>` environment variable (for containers);
-a flag on the command line wins."""
+Serving: `serve` (the whole system on this host; `make serve` runs it), or one service per
+process for containers: `coordinator`, `prefill`, `decode`, `colocated`. Clients: `chat` and
+`complete` talk to a running coordinator. Offline: `generate` (JSONL batch) and `demo`.
+Every flag of a service can also come from a `PDSERVE_<FLAG>` environment variable (for
+containers); a flag on the command line wins."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from pdserve.common.config import DTYPES, EngineConfig
-from pdserve.common.errors import ModelLoadError, PdserveError
+from pdserve.common.errors import PdserveError
+from pdserve.services.engine_args import add_engine_args, load_engine
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -24,102 +24,6 @@ DEMO_PROMPTS = [
     "Give me three tips for writing clear code.",
     "Explain in two sentences why the sky is blue.",
 ]
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"PDSERVE_{name.upper()}", default)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (each also read from PDSERVE_<NAME>)")
-    g.add_argument(
-        "--model",
-        default=_env("model"),
-        help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--dtype",
-        default=_env("dtype", "bfloat16"),
-        choices=sorted(DTYPES),
-        help="weights, activations and KV cache dtype (default: %(default)s)",
-    )
-    g.add_argument(
-        "--device", default=_env("device", "cpu"), help="cpu or cuda[:N] (default: %(default)s)"
-    )
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=_int_env("threads"),
-        help="torch threads (default: every core this process may use)",
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=_int_env("block_size", 16),
-        help="tokens per KV block (default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-cache-gb",
-        type=float,
-        default=float(_env("kv_cache_gb", "2")),
-        help="KV cache size in GiB (default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=_int_env("kv_cache_tokens"),
-        help="KV cache size in tokens (overrides --kv-cache-gb)",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=_int_env("max_num_seqs", 128),
-        help="most requests in one batch (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=_int_env("max_num_batched_tokens", 2048),
-        help="token budget of one step; longer prompts are prefilled in chunks "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=_int_env("max_model_len"),
-        help="longest prompt + output (default: the model's limit)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   default=_env("no_prefix_caching", "0") not in ("0", "", "false"),
-                   help="turn off automatic prefix caching")  # fmt: skip
-
-
-def _int_env(name: str, default: int | None = None) -> int | None:
-    value = _env(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(
-            f"pdserve: error: PDSERVE_{name.upper()} must be an integer, got {value!r}"
-        ) from None
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,13 +60,64 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_engine_args(gen)
 
-    demo = sub.add_parser("demo", help="stream answers to a few chat prompts (make serve)")
+    _add_serving_commands(sub)
+
+    demo = sub.add_parser("demo", help="stream answers to a few chat prompts, offline")
     demo.add_argument("prompts", nargs="*", help="chat prompts (default: a small demo set)")
     demo.add_argument("--max-tokens", type=int, default=96, help="max new tokens per answer")
     add_engine_args(demo)
 
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
+
+
+def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
+    from pdserve.services.client import add_client_args
+    from pdserve.services.coordinator.main import add_coordinator_args
+    from pdserve.services.worker import add_service_args, add_worker_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="run a coordinator and its workers on this host",
+        description="Start prefill and decode workers (or one colocated worker) and a "
+        "coordinator, each its own process, on this host. Prints one JSON 'ready' line once "
+        "all are healthy; Ctrl-C stops them all.",
+    )
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    serve.add_argument(
+        "--colocated",
+        action="store_true",
+        help="one engine doing prefill and decode (the baseline), no KV transfer",
+    )
+    add_service_args(serve, 50051)
+    add_engine_args(serve)
+
+    coord = sub.add_parser(
+        "coordinator",
+        help="the public GenerateService in front of worker pools",
+        description="Validate, tokenize and route each request through a prefill then a "
+        "decode worker (or a colocated one), streaming tokens back.",
+    )
+    add_coordinator_args(coord)
+    for role, text in [
+        ("prefill", "compute prompts, hand their KV blocks to decode workers"),
+        ("decode", "pull prefilled KV blocks and generate the remaining tokens"),
+        ("colocated", "one engine doing prefill and decode behind GenerateService"),
+    ]:
+        add_worker_args(sub.add_parser(role, help=f"a {role} worker: {text}"), role)
+
+    complete = sub.add_parser("complete", help="stream one completion from a coordinator")
+    complete.add_argument("prompt", help="the prompt")
+    complete.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user chat message (chat template applied)",
+    )
+    add_client_args(complete)
+    chat = sub.add_parser("chat", help="an interactive chat with a coordinator, streamed")
+    chat.add_argument("--system", default=None, help="a system message to start with")
+    add_client_args(chat)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,24 +132,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "demo":
             return _demo(args)
+        return _serving_command(args)
     except (PdserveError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    parser.error(f"unknown command {args.command}")
-    return 2
 
 
-def _load_engine(args: argparse.Namespace):
-    from pdserve.common.engine import LLMEngine
+def _serving_command(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from pdserve.services.launcher import run_serve
 
-    try:
-        return LLMEngine(engine_config(args))
-    except (OSError, KeyError) as exc:
-        raise ModelLoadError(
-            f"model: cannot load {args.model or 'the default model'}: {exc}"
-        ) from exc
+        return run_serve(args)
+    if args.command == "coordinator":
+        from pdserve.services.coordinator.main import run_coordinator
+
+        return run_coordinator(args)
+    if args.command in ("prefill", "decode", "colocated"):
+        from pdserve.services.worker import run_worker
+
+        return run_worker(args, args.command)
+    from pdserve.services.client import run_chat, run_complete
+
+    return run_complete(args) if args.command == "complete" else run_chat(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -207,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature).validate()
     with contextlib.ExitStack() as files:
         infile = _open(files, args.input, "r", sys.stdin, "input")
-        engine = _load_engine(args)
+        engine = load_engine(args)
         outfile = _open(files, args.output, "w", sys.stdout, "output")
         errors = run_generate(engine, infile, outfile, defaults, progress=not args.no_progress)
     if errors:
@@ -228,7 +189,7 @@ def _open(files: contextlib.ExitStack, path: str, mode: str, std: TextIO, field:
 def _demo(args: argparse.Namespace) -> int:
     from pdserve.common.sampling_params import SamplingParams
 
-    engine = _load_engine(args)
+    engine = load_engine(args)
     prompts = args.prompts or DEMO_PROMPTS
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     ids = [engine.add_request([{"role": "user", "content": p}], params).request_id for p in prompts]

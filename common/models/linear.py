@@ -26,8 +26,7 @@ def packing_supported(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs `dtype` weights on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT;
     an AVX2-only CPU refuses)."""
     if not (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return False
     try:

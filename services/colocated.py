@@ -1,0 +1,43 @@
+"""Colocated mode: one engine does both prefill and decode behind the public
+`GenerateService` (the coordinator calls it with token ids). No KV moves; it is the
+baseline disaggregation must beat, and the right choice on one small device."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.services.frontend import Frontend, usage
+from pdserve.services.worker import Worker
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+
+class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        engine = worker.loop.engine
+        self.frontend = Frontend(
+            engine.tokenizer, engine.runner.hf_config.vocab_size, engine.max_model_len
+        )
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        loop = self.worker.loop
+        try:
+            parsed = self.frontend.parse(request)
+            await loop.add(parsed.token_ids, parsed.params, parsed.request_id)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async for out in loop.stream(parsed.request_id):
+            response = generate_pb2.GenerateResponse(
+                request_id=parsed.request_id, token_ids=out.new_token_ids, text=out.new_text
+            )
+            if out.finished:
+                response.finish_reason = out.finish_reason or "abort"
+                response.usage.CopyFrom(
+                    usage(out.prompt_tokens, len(out.token_ids), out.cached_tokens)
+                )
+            yield response

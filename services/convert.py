@@ -1,0 +1,50 @@
+"""Between the wire and the engine: protobuf sampling settings to `SamplingParams` and
+back. A bad field raises `InvalidRequestError` naming it as the client spelled it
+(`sampling.top_p`), which servicers turn into INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.v1 import generate_pb2
+
+_DEFAULTS = SamplingParams()
+
+
+def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
+    """Validated engine params; unset optional fields take the engine's defaults."""
+
+    def get(name: str) -> object:
+        return getattr(sampling, name) if sampling.HasField(name) else getattr(_DEFAULTS, name)
+
+    params = SamplingParams(
+        max_tokens=int(get("max_tokens")),  # type: ignore[call-overload]
+        temperature=float(get("temperature")),  # type: ignore[arg-type]
+        top_p=float(get("top_p")),  # type: ignore[arg-type]
+        top_k=int(get("top_k")),  # type: ignore[call-overload]
+        seed=int(sampling.seed) if sampling.HasField("seed") else None,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+    if params.temperature != params.temperature:  # nan
+        raise InvalidRequestError("sampling.temperature", "must be a number, got nan")
+    try:
+        return params.validate()
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"sampling.{e.field}", e.message) from None
+
+
+def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
+    proto = generate_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        proto.seed = params.seed
+    return proto

@@ -1,0 +1,121 @@
+"""`pdserve coordinator`: the public gRPC endpoint in front of the worker pools. It loads
+only the tokenizer and the model's config (no weights)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from pdserve.services.coordinator.router import POLICIES, WorkerPool
+from pdserve.services.engine_args import env
+from pdserve.services.worker import add_service_args
+
+
+def add_coordinator_args(p: argparse.ArgumentParser) -> None:
+    add_service_args(p, 50051)
+    g = p.add_argument_group("workers (each also read from PDSERVE_<NAME>)")
+    g.add_argument(
+        "--prefill-workers",
+        default=env("prefill_workers", ""),
+        help="comma-separated host:port of prefill workers",
+    )
+    g.add_argument(
+        "--decode-workers",
+        default=env("decode_workers", ""),
+        help="comma-separated host:port of decode workers",
+    )
+    g.add_argument(
+        "--colocated-workers",
+        default=env("colocated_workers", ""),
+        help="comma-separated host:port of colocated workers (instead of the two pools)",
+    )
+    g.add_argument(
+        "--policy",
+        default=env("policy", "least_loaded"),
+        choices=POLICIES,
+        help="how a worker is picked in a pool (default: %(default)s)",
+    )
+    g.add_argument(
+        "--model",
+        default=env("model"),
+        help="model folder, for the tokenizer and context length (default: the "
+        "embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's limit)",
+    )
+
+
+def _split(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    prefill, decode, colocated = (
+        _split(args.prefill_workers),
+        _split(args.decode_workers),
+        _split(args.colocated_workers),
+    )
+    if not colocated and not (prefill and decode):
+        raise ValueError(
+            "workers: give --prefill-workers and --decode-workers, or --colocated-workers"
+        )
+    code = asyncio.run(_serve(args, prefill, decode, colocated))
+    sys.stdout.flush()
+    os._exit(code)
+
+
+async def _serve(
+    args: argparse.Namespace, prefill: list[str], decode: list[str], colocated: list[str]
+) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pdserve.common.model_files import resolve_model
+    from pdserve.common.prompts import max_model_len
+    from pdserve.services.coordinator.servicer import CoordinatorServicer
+    from pdserve.services.frontend import Frontend
+    from pdserve.services.grpc_server import ServiceProcess
+    from pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
+
+    model_dir = resolve_model(args.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    frontend = Frontend(
+        AutoTokenizer.from_pretrained(model_dir),
+        hf_config.vocab_size,
+        max_model_len(hf_config, args.max_model_len),
+    )
+    pools = {
+        "prefill": WorkerPool("prefill", prefill, prefill_pb2_grpc.PrefillServiceStub, args.policy),
+        "decode": WorkerPool("decode", decode, decode_pb2_grpc.DecodeServiceStub, args.policy),
+        "colocated": WorkerPool(
+            "colocated", colocated, generate_pb2_grpc.GenerateServiceStub, args.policy
+        ),
+    }
+    if colocated:
+        servicer = CoordinatorServicer(frontend, colocated=pools["colocated"])
+    else:
+        servicer = CoordinatorServicer(frontend, prefill=pools["prefill"], decode=pools["decode"])
+    process = ServiceProcess(args.host, args.port, args.metrics_port)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, process.server)
+
+    async def close_pools() -> None:
+        for pool in pools.values():
+            await pool.close()
+
+    process.on_stop(close_pools)
+    ready = {
+        "event": "listening",
+        "role": "coordinator",
+        "grpc": process.address,
+        "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
+    }
+    await process.run(
+        ["pdserve.v1.GenerateService"], on_ready=lambda: print(json.dumps(ready), flush=True)
+    )
+    return 0

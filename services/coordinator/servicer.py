@@ -1,0 +1,191 @@
+"""The coordinator's `GenerateService`: a request's whole path seen from the front.
+
+1. validate and tokenize (`Frontend`); 2. pick a prefill worker and call `Prefill`; 4. send
+the first token to the client at once; 5. pick a decode worker and call `Decode` with the KV
+handle; 7. relay its tokens, then the finish reason and usage. The client's deadline goes to
+every worker call; a client that cancels cancels the worker call in flight, which frees the
+request's blocks there. A worker's error reaches the client with its status code and the
+worker named."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.services.convert import params_to_proto
+from pdserve.services.coordinator.router import NoWorkerError, WorkerEndpoint, WorkerPool
+from pdserve.services.frontend import Frontend, ParsedRequest, usage
+from pdserve.v1 import (
+    decode_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+    prefill_pb2,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> WorkerFailed:
+    return WorkerFailed(e.code(), f"{role} worker {address}: {e.details()}")
+
+
+class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(
+        self,
+        frontend: Frontend,
+        prefill: WorkerPool | None = None,
+        decode: WorkerPool | None = None,
+        colocated: WorkerPool | None = None,
+    ) -> None:
+        if colocated is None and (prefill is None or decode is None):
+            raise ValueError("workers: give prefill and decode workers, or colocated ones")
+        self.frontend = frontend
+        self.prefill = prefill
+        self.decode = decode
+        self.colocated = colocated
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        try:
+            parsed = self.frontend.parse(request)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        path = self._colocated if self.colocated is not None else self._disaggregated
+        try:
+            async for response in path(parsed, context.time_remaining()):
+                yield response
+        except WorkerFailed as e:
+            await context.abort(e.code, e.message)
+        except NoWorkerError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def _colocated(
+        self, parsed: ParsedRequest, timeout: float | None
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        assert self.colocated is not None
+        worker = self.colocated.pick()
+        with self.colocated.track(worker):
+            call = worker.stub.Generate(
+                generate_pb2.GenerateRequest(
+                    token_ids=parsed.token_ids,
+                    request_id=parsed.request_id,
+                    sampling=params_to_proto(parsed.params),
+                ),
+                timeout=timeout,
+            )
+            try:
+                async for response in call:
+                    yield response
+            except grpc.aio.AioRpcError as e:
+                raise _worker_error("colocated", worker.address, e) from None
+            finally:
+                call.cancel()
+
+    async def _disaggregated(
+        self, parsed: ParsedRequest, timeout: float | None
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        assert self.prefill is not None and self.decode is not None
+        rid = parsed.request_id
+        sampling = params_to_proto(parsed.params)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - loop.time())
+
+        worker = self.prefill.pick()
+        with self.prefill.track(worker):
+            call = worker.stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=parsed.token_ids, sampling=sampling
+                ),
+                timeout=remaining(),
+            )
+            try:
+                prefilled = await call
+            except grpc.aio.AioRpcError as e:
+                raise _worker_error("prefill", worker.address, e) from None
+            finally:
+                call.cancel()
+        prompt_tokens = len(parsed.token_ids)
+        first = generate_pb2.GenerateResponse(
+            request_id=rid, token_ids=[prefilled.first_token_id], text=prefilled.text
+        )
+        if prefilled.finish_reason:
+            first.finish_reason = prefilled.finish_reason
+            first.usage.CopyFrom(usage(prompt_tokens, 1, prefilled.cached_tokens))
+            yield first
+            return
+        yield first
+
+        handle = prefilled.kv_handle
+        try:
+            decoder = self.decode.pick()
+        except NoWorkerError:
+            self._release(worker, handle.lease_id)
+            raise
+        completion = 1
+        with self.decode.track(decoder):
+            call = decoder.stub.Decode(
+                decode_pb2.DecodeRequest(
+                    request_id=rid,
+                    prompt_token_ids=parsed.token_ids,
+                    first_token_id=prefilled.first_token_id,
+                    sampling=sampling,
+                    kv_handle=handle,
+                ),
+                timeout=remaining(),
+            )
+            pulled = False
+            try:
+                async for step in call:
+                    pulled = True
+                    if not (step.token_ids or step.text or step.finish_reason):
+                        continue
+                    completion += len(step.token_ids)
+                    out = generate_pb2.GenerateResponse(
+                        request_id=rid, token_ids=step.token_ids, text=step.text
+                    )
+                    if step.finish_reason:
+                        out.finish_reason = step.finish_reason
+                        out.usage.CopyFrom(
+                            usage(prompt_tokens, completion, prefilled.cached_tokens)
+                        )
+                    yield out
+            except grpc.aio.AioRpcError as e:
+                raise _worker_error("decode", decoder.address, e) from None
+            finally:
+                call.cancel()
+                if not pulled:  # failed or cancelled before the pull: free prefill's blocks
+                    self._release(worker, handle.lease_id)
+
+    def _release(self, worker: WorkerEndpoint, lease_id: str) -> None:
+        """Ask the prefill worker to free a lease, in the background (a lease that was
+        already pulled is a no-op there; one that cannot be reached expires)."""
+
+        async def release() -> None:
+            try:
+                await worker.stub.ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5
+                )
+            except grpc.aio.AioRpcError as e:
+                logger.warning(
+                    "release of %s on %s failed: %s", lease_id, worker.address, e.details()
+                )
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

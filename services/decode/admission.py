@@ -1,0 +1,69 @@
+"""Decode-side back-pressure, step 6 of a request's path: a prefilled request is admitted
+only when blocks for its prompt and first token can be allocated (reusing this worker's
+cached prefix). Requests that do not fit wait in a bounded FIFO, retried before every engine
+step as blocks come free; past the bound, new ones are refused. Engine thread only."""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+
+from pdserve.common.engine import LLMEngine
+from pdserve.common.request import Request, RequestStatus
+
+
+class AdmissionQueueFull(RuntimeError):
+    """More requests wait for KV blocks than the queue allows."""
+
+
+class Admission:
+    def __init__(self, engine: LLMEngine, max_pending: int) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.pending: deque[tuple[Request, Future[int]]] = deque()
+
+    def submit(self, request: Request) -> Future[int]:
+        """A future of the number of leading blocks served from the local prefix cache,
+        resolved once the request's blocks are allocated."""
+        future: Future[int] = Future()
+        if not self.pending:
+            num_cached = self.engine.reserve_prefilled(request)
+            if num_cached is not None:
+                future.set_result(num_cached)
+                return future
+        if len(self.pending) >= self.max_pending:
+            raise AdmissionQueueFull(
+                f"{len(self.pending)} requests already wait for KV blocks on this decode "
+                f"worker (max_pending {self.max_pending}); retry later or elsewhere"
+            )
+        self.pending.append((request, future))
+        return future
+
+    def admit(self) -> None:
+        """Housekeeping: allocate for waiting requests, oldest first, while they fit."""
+        while self.pending:
+            request, future = self.pending[0]
+            if future.cancelled():
+                self.pending.popleft()
+                continue
+            num_cached = self.engine.reserve_prefilled(request)
+            if num_cached is None:
+                return
+            self.pending.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_result(num_cached)
+            else:
+                self.engine.free_request(request)
+
+    def withdraw(self, request: Request) -> None:
+        """The request is gone before it joined the batch: drop it from the queue or give
+        back its reserved blocks; a running one is aborted."""
+        for i, (queued, future) in enumerate(self.pending):
+            if queued is request:
+                del self.pending[i]
+                future.cancel()
+                return
+        if request.status == RequestStatus.RUNNING:
+            self.engine.abort_request(request.request_id)
+        elif not request.finished:
+            self.engine.free_request(request)

@@ -1,0 +1,177 @@
+"""`DecodeService`: steps 6 and 7 of a request's path. A prefilled request is checked
+against this worker's KV layout, admitted when its blocks fit, its missing blocks pulled
+from the prefill worker (receives posted into our own free blocks, then `TransferKv` asks
+prefill to send), and it joins the continuous batch; tokens after the first stream back.
+Whatever happens — a bad handle, a failed or stalled pull, a caller gone — the request's
+blocks here are given back, and the prefill side frees its own on pull, release or expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.request import Request
+from pdserve.services.convert import params_from_proto
+from pdserve.services.decode.admission import Admission, AdmissionQueueFull
+from pdserve.services.worker import Worker
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PullFailed(RuntimeError):
+    pass
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, worker: Worker, max_pending: int) -> None:
+        self.worker = worker
+        self.admission = Admission(worker.loop.engine, max_pending)
+        worker.loop.housekeeping.append(self._housekeeping)
+        self._prefill_stubs: dict[str, prefill_pb2_grpc.PrefillServiceStub] = {}
+
+    def _housekeeping(self) -> None:
+        self.admission.admit()
+        self.worker.metrics.extra_waiting = len(self.admission.pending)
+
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        loop = self.worker.loop
+        engine = loop.engine
+        rid = request.request_id
+        try:
+            self._check(request)
+            params = params_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            first = request.first_token_id
+            req = await loop.call(lambda: engine.new_prefilled_request(prompt, first, params, rid))
+            loop.open_stream(rid)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        started = False
+        try:
+            try:
+                admitted = await loop.call(lambda: self.admission.submit(req))
+            except AdmissionQueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            num_cached = await asyncio.wrap_future(admitted)
+            try:
+                pulled = await self._pull(req, request.kv_handle, num_cached)
+            except PullFailed as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await loop.call(lambda: engine.start_prefilled(req))
+            started = True
+            yield decode_pb2.DecodeResponse(pulled_blocks=pulled)
+            async for out in loop.stream(rid):
+                yield decode_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    finish_reason=out.finish_reason or "",
+                )
+        finally:
+            loop.close_stream(rid)
+            if not started:
+                await asyncio.shield(loop.call(lambda: self.admission.withdraw(req)))
+
+    def _check(self, request: decode_pb2.DecodeRequest) -> None:
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        if not request.HasField("kv_handle"):
+            raise InvalidRequestError("kv_handle", "is required")
+        h = request.kv_handle
+        w = self.worker
+        assert w.transport is not None
+        engine = w.loop.engine
+        for name in ("lease_id", "grpc_address", "transport_address"):
+            if not getattr(h, name):
+                raise InvalidRequestError(f"kv_handle.{name}", "must not be empty")
+        if h.transport != w.transport.kind:
+            raise InvalidRequestError(
+                "kv_handle.transport",
+                f"this worker pulls over {w.transport.kind!r}, got {h.transport!r}",
+            )
+        if h.layout_fingerprint != engine.runner.layout_fingerprint:
+            raise InvalidRequestError(
+                "kv_handle.layout_fingerprint",
+                f"{h.layout_fingerprint!r} does not match this worker's KV layout "
+                f"{engine.runner.layout_fingerprint!r} (model, dtype or block size differ)",
+            )
+        if h.block_size != engine.config.block_size:
+            raise InvalidRequestError(
+                "kv_handle.block_size", f"must be {engine.config.block_size}, got {h.block_size}"
+            )
+        if h.num_tokens != len(request.prompt_token_ids):
+            raise InvalidRequestError(
+                "kv_handle.num_tokens",
+                f"must equal the prompt's length ({len(request.prompt_token_ids)}), "
+                f"got {h.num_tokens}",
+            )
+        need = -(-h.num_tokens // h.block_size)
+        if len(h.block_ids) != need:
+            raise InvalidRequestError(
+                "kv_handle.block_ids",
+                f"{h.num_tokens} tokens need {need} blocks, got {len(h.block_ids)}",
+            )
+
+    async def _pull(self, req: Request, handle: kv_pb2.KvHandle, num_cached: int) -> int:
+        """Fill the request's blocks after the `num_cached` ones from the prefill worker.
+        Returns the number of blocks pulled."""
+        w = self.worker
+        transport = w.transport
+        assert transport is not None
+        stub = self._prefill_stub(handle.grpc_address)
+        total = len(handle.block_ids)
+        if num_cached >= total:  # everything is cached here: let prefill free its copy
+            try:
+                await stub.ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(lease_id=handle.lease_id), timeout=5
+                )
+            except grpc.aio.AioRpcError as e:  # its lease will expire; nothing leaks
+                logger.warning("release of %s failed: %s", handle.lease_id, e.details())
+            return 0
+        dst = req.block_ids[num_cached:total]
+        tag = transport.new_tag()
+        timeout = w.transfer_timeout_s
+        received = transport.post_receive(tag, dst, timeout)
+        call = stub.TransferKv(
+            prefill_pb2.TransferKvRequest(
+                lease_id=handle.lease_id,
+                first_block=num_cached,
+                receiver_address=transport.address,
+                tag=tag,
+            ),
+            timeout=timeout,
+        )
+        try:
+            await call
+            result = await asyncio.wrap_future(received)
+        except (grpc.aio.AioRpcError, KvTransferError, asyncio.CancelledError) as e:
+            transport.cancel(tag)
+            call.cancel()
+            w.metrics.transfer_failed(transport.kind, "receive")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
+            raise PullFailed(
+                f"KV pull from prefill worker {handle.worker_id} ({handle.grpc_address}) "
+                f"failed: {why}"
+            ) from e
+        w.metrics.transfer(
+            transport.kind, "receive", result.num_blocks, result.num_bytes, result.seconds
+        )
+        return result.num_blocks
+
+    def _prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        stub = self._prefill_stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address)
+            stub = self._prefill_stubs[address] = prefill_pb2_grpc.PrefillServiceStub(channel)
+        return stub

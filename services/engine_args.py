@@ -1,0 +1,144 @@
+"""Engine flags shared by every command that runs an engine (`generate`, `demo`, `prefill`,
+`decode`, `colocated`), each also read from a `PDSERVE_<FLAG>` environment variable (for
+containers); a flag on the command line wins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from pdserve.common.config import DTYPES, EngineConfig
+from pdserve.common.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from pdserve.common.engine import LLMEngine
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"PDSERVE_{name.upper()}", default)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (each also read from PDSERVE_<NAME>)")
+    g.add_argument(
+        "--model",
+        default=env("model"),
+        help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=env("dtype", "bfloat16"),
+        choices=sorted(DTYPES),
+        help="weights, activations and KV cache dtype (default: %(default)s)",
+    )
+    g.add_argument(
+        "--device", default=env("device", "cpu"), help="cpu or cuda[:N] (default: %(default)s)"
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=int_env("threads"),
+        help="torch threads (default: every core this process may use)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=int_env("block_size", 16),
+        help="tokens per KV block (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=float(env("kv_cache_gb", "2")),
+        help="KV cache size in GiB (default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=int_env("kv_cache_tokens"),
+        help="KV cache size in tokens (overrides --kv-cache-gb)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=int_env("max_num_seqs", 128),
+        help="most requests in one batch (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int_env("max_num_batched_tokens", 2048),
+        help="token budget of one step; longer prompts are prefilled in chunks "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=int_env("max_model_len"),
+        help="longest prompt + output (default: the model's limit)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   default=env("no_prefix_caching", "0") not in ("0", "", "false"),
+                   help="turn off automatic prefix caching")  # fmt: skip
+
+
+def int_env(name: str, default: int | None = None) -> int | None:
+    value = env(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(
+            f"pdserve: error: PDSERVE_{name.upper()} must be an integer, got {value!r}"
+        ) from None
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        block_size=args.block_size,
+        kv_cache_gb=args.kv_cache_gb,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    from pdserve.common.engine import LLMEngine
+
+    try:
+        return LLMEngine(engine_config(args))
+    except (OSError, KeyError) as exc:
+        raise ModelLoadError(
+            f"model: cannot load {args.model or 'the default model'}: {exc}"
+        ) from exc
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` as a command line, to hand to a child process."""
+    argv: list[str] = []
+    for flag, value in [
+        ("--model", args.model),
+        ("--dtype", args.dtype),
+        ("--device", args.device),
+        ("--threads", args.threads),
+        ("--block-size", args.block_size),
+        ("--kv-cache-gb", args.kv_cache_gb),
+        ("--kv-cache-tokens", args.kv_cache_tokens),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-model-len", args.max_model_len),
+    ]:
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv

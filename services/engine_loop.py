@@ -1,0 +1,169 @@
+"""The engine inside a service: `LLMEngine` stepping in its own thread, talking to the
+gRPC event loop.
+
+The engine thread is the only one that touches the scheduler, the KV manager and the
+model; everything else reaches them through `call` (run a function between two steps and
+get its result as an awaitable). Each step's outputs go back to the event loop in one hop
+and are routed to the per-request queues that `stream` reads. torch releases the GIL in its
+kernels, so the event loop keeps serving RPCs while a step computes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+IDLE_WAIT_S = 0.05  # how often an idle engine thread runs its housekeeping hooks
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._wake = threading.Condition()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # Run in the engine thread before every step (lease expiry, admissions, ...).
+        self.housekeeping: list[Callable[[], None]] = []
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    # ---- called from the event loop ----------------------------------------------------
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the engine thread between steps; its exception is raised here."""
+        future: Future[T] = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return await asyncio.wrap_future(future)
+
+    async def add(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Queue a request; its outputs go to `stream(request_id)`."""
+        self.open_stream(request_id)
+        try:
+            return await self.call(
+                lambda: self.engine.add_request(prompt, params, request_id, prefill_only)
+            )
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+
+    def open_stream(self, request_id: str) -> None:
+        """Route a request's outputs to a queue for `stream`."""
+        if request_id in self._queues:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use here")
+        self._queues[request_id] = asyncio.Queue()
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until the finished one. Leaving early (cancellation, a
+        client gone) aborts the request in the engine and frees its blocks."""
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self.call(lambda: self.engine.abort_request(request_id)))
+
+    def close_stream(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                if not self._calls and not engine.has_unfinished_requests() and not self._stopped:
+                    self._wake.wait(IDLE_WAIT_S)
+                if self._stopped:
+                    break
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # handed to the caller
+                        future.set_exception(e)
+            for hook in self.housekeeping:
+                try:
+                    hook()
+                except Exception:
+                    logger.exception("engine housekeeping failed")
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:
+                logger.exception("engine step failed; aborting its requests")
+                outputs = self._abort_all()
+            self.steps += 1
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _abort_all(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.engine.scheduler.requests):
+            request = self.engine.scheduler.abort(request_id)
+            if request is not None:
+                outputs.append(aborted_output(request))
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def push(self, outputs: list[RequestOutput]) -> None:
+        """From the engine thread: deliver outputs made outside a step."""
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+
+def aborted_output(request: Request) -> RequestOutput:
+    request.finish_time = request.finish_time or time.monotonic()
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="abort",
+        prompt_tokens=request.num_prompt_tokens,
+        cached_tokens=request.num_cached_tokens,
+        token_ids=request.output_token_ids,
+        text=request.output_text,
+    )

@@ -1,0 +1,115 @@
+"""What every pdserve service process has around its own servicer: a `grpc.aio` server
+with `grpc.health.v1` and server reflection (v1 and v1alpha, so grpcurl 1.8 and newer tools
+both work), a Prometheus `/metrics` endpoint, and a clean stop on SIGINT / SIGTERM (health
+goes NOT_SERVING, in-flight RPCs get a grace period, then the process ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection_pb2_grpc as _  # noqa: F401  (registers types)
+from grpc_reflection.v1alpha._async import ReflectionServicer
+from prometheus_client import start_http_server
+
+logger = logging.getLogger(__name__)
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts as token ids
+
+
+class ServiceProcess:
+    """One service: register servicers with `server`, then `await run()`."""
+
+    def __init__(self, host: str, port: int, metrics_port: int | None) -> None:
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"port: cannot listen on {host}:{port}")
+        self.host = host
+        self.metrics_port = None
+        if metrics_port is not None:
+            http_server, _thread = start_http_server(metrics_port, addr=host)
+            self.metrics_port = http_server.server_port
+        self._on_stop: list[Callable[[], Awaitable[None]]] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def on_stop(self, fn: Callable[[], Awaitable[None]]) -> None:
+        self._on_stop.append(fn)
+
+    async def run(
+        self,
+        service_names: Sequence[str],
+        on_ready: Callable[[], None] | None = None,
+        grace_s: float = 5.0,
+    ) -> None:
+        """Serve until SIGINT / SIGTERM. `service_names`: the full names to advertise;
+        `on_ready` runs once the server answers SERVING."""
+        _enable_reflection([*service_names, health.SERVICE_NAME], self.server)
+        await self.server.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for name in ["", *service_names]:
+            await self.health.set(name, serving)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        logger.info("serving %s on %s", ", ".join(service_names), self.address)
+        if on_ready is not None:
+            on_ready()
+        await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the drain
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        for fn in self._on_stop:
+            await fn()
+
+
+def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    reflection.enable_server_reflection(names, server)
+    # v1 has the same messages as v1alpha under a new service name: serve both.
+    servicer = ReflectionServicer(names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler})]
+    )
+
+
+async def wait_healthy(address: str, timeout_s: float) -> None:
+    """Until the service at `address` answers SERVING; raises TimeoutError."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} was not healthy within {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)

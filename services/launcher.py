@@ -1,0 +1,127 @@
+"""`pdserve serve`: the whole system on one host — N prefill and M decode workers (or one
+colocated worker) and a coordinator, each its own process. When every one answers healthy
+it prints one JSON "ready" line; SIGINT / SIGTERM stops them all (SIGTERM, a grace period,
+then SIGKILL), and a worker that dies takes the rest down with an error."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from pdserve.common.config import default_threads
+from pdserve.services.engine_args import engine_argv
+from pdserve.services.grpc_server import wait_healthy
+
+START_TIMEOUT_S = 300.0
+STOP_GRACE_S = 10.0
+
+
+class ServiceChild:
+    """One service process started with `pdserve <role> --port 0`, known once it printed
+    its "listening" line."""
+
+    def __init__(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.role = role
+        cmd = [sys.executable, "-m", "pdserve.services.cli", role, *argv]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        self.info: dict[str, Any] = {}
+
+    def wait_listening(self, timeout_s: float) -> dict[str, Any]:
+        box: list[str] = []
+        reader = threading.Thread(
+            target=lambda: box.append(self.proc.stdout.readline()),  # type: ignore[union-attr]
+            daemon=True,
+        )
+        reader.start()
+        reader.join(timeout_s)
+        if not box or not box[0]:
+            code = self.proc.poll()
+            why = f"exited with code {code}" if code is not None else "did not start in time"
+            raise RuntimeError(f"{self.role} worker {why} (its log is above)")
+        self.info = json.loads(box[0])
+        # Keep draining stdout so the child never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        return self.info
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def stop_all(children: list[ServiceChild]) -> None:
+    for child in children:
+        child.stop()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    roles = (
+        ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+    )
+    threads = args.threads or max(1, default_threads() // len(roles))
+    common = ["--host", args.host, "--port", "0", "--metrics-port", "0"]
+    children: list[ServiceChild] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        for role in roles:
+            child_args = argparse.Namespace(**{**vars(args), "threads": threads})
+            children.append(ServiceChild(role, [*common, *engine_argv(child_args)]))
+        workers = [child.wait_listening(START_TIMEOUT_S) for child in children]
+        by_role = {r: ",".join(w["grpc"] for w in workers if w["role"] == r) for r in set(roles)}
+        coordinator = ServiceChild(
+            "coordinator",
+            [
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--metrics-port",
+                "0",
+                *(["--model", args.model] if args.model else []),
+                *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+                *[f"--{role}-workers={addresses}" for role, addresses in by_role.items()],
+            ],
+        )
+        children.append(coordinator)
+        front = coordinator.wait_listening(START_TIMEOUT_S)
+        for info in [*workers, front]:
+            asyncio.run(wait_healthy(info["grpc"], START_TIMEOUT_S))
+        ready = {
+            "event": "ready",
+            "coordinator": front["grpc"],
+            "metrics": front["metrics"],
+            "workers": [
+                {"role": w["role"], "grpc": w["grpc"], "metrics": w["metrics"]} for w in workers
+            ],
+        }
+        print(json.dumps(ready), flush=True)
+        while not stop.wait(0.5):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(
+                    f"pdserve serve: the {dead[0].role} process exited with code "
+                    f"{dead[0].proc.returncode}; stopping the others",
+                    file=sys.stderr,
+                )
+                return 1
+        return 0
+    finally:
+        stop_all(children)

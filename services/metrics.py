@@ -1,0 +1,82 @@
+"""Prometheus metrics of a worker process, served on its `/metrics` (vLLM's shapes with a
+`pdserve_` prefix). Gauges read the engine's state when scraped; counters and histograms are
+fed on the request's path (KV transfers on both sides of a handoff)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from pdserve.common.engine import LLMEngine
+
+LABELS = ("model", "role", "worker")
+# From a few blocks over shared memory to thousands over TCP.
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+KV_BLOCKS_TOTAL = Gauge("pdserve_kv_cache_blocks_total", "KV cache blocks in the pool", LABELS)
+KV_BLOCKS_FREE = Gauge(
+    "pdserve_kv_cache_blocks_free", "KV cache blocks free (cached-but-unused count as free)", LABELS
+)
+KV_USAGE = Gauge("pdserve_kv_cache_usage_perc", "Fraction of KV cache blocks in use", LABELS)
+RUNNING = Gauge("pdserve_num_requests_running", "Requests in the running batch", LABELS)
+WAITING = Gauge(
+    "pdserve_num_requests_waiting", "Requests waiting for a batch slot or KV blocks", LABELS
+)
+HELD = Gauge(
+    "pdserve_kv_leases_held", "Prefilled requests whose KV blocks wait to be pulled", LABELS
+)
+PREFIX_QUERIES = Gauge(
+    "pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", LABELS
+)
+PREFIX_HITS = Gauge(
+    "pdserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", LABELS
+)
+TRANSFER_LABELS = (*LABELS, "transport", "direction")
+KV_TRANSFER_BYTES = Counter(
+    "pdserve_kv_transfer_bytes", "KV bytes moved between workers", TRANSFER_LABELS
+)
+KV_TRANSFER_BLOCKS = Counter(
+    "pdserve_kv_transfer_blocks", "KV blocks moved between workers", TRANSFER_LABELS
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "pdserve_kv_transfer_seconds",
+    "Time of one KV transfer, from posting to every block in place (or sent)",
+    TRANSFER_LABELS,
+    buckets=TRANSFER_BUCKETS,
+)
+KV_TRANSFER_FAILURES = Counter(
+    "pdserve_kv_transfer_failures",
+    "KV transfers that failed, were cancelled or timed out",
+    TRANSFER_LABELS,
+)
+
+
+class WorkerMetrics:
+    """The metrics of one worker, labelled once."""
+
+    def __init__(self, engine: LLMEngine, role: str, worker: str, model: str) -> None:
+        labels = {"model": model, "role": role, "worker": worker}
+        self.labels = labels
+        kv = engine.kv_cache
+        sched = engine.scheduler
+        KV_BLOCKS_TOTAL.labels(**labels).set(engine.runner.num_blocks)
+        KV_BLOCKS_FREE.labels(**labels).set_function(lambda: kv.num_free_blocks)
+        KV_USAGE.labels(**labels).set_function(kv.usage)
+        RUNNING.labels(**labels).set_function(lambda: len(sched.running))
+        self.extra_waiting = 0  # e.g. decode admissions waiting for blocks
+        WAITING.labels(**labels).set_function(lambda: len(sched.waiting) + self.extra_waiting)
+        self.held = 0
+        HELD.labels(**labels).set_function(lambda: self.held)
+        PREFIX_QUERIES.labels(**labels).set_function(lambda: sched.stats.prefix_cache_queries)
+        PREFIX_HITS.labels(**labels).set_function(lambda: sched.stats.prefix_cache_hits)
+
+    def transfer(self, transport: str, direction: str, blocks: int, nbytes: int, s: float) -> None:
+        labels = {**self.labels, "transport": transport, "direction": direction}
+        KV_TRANSFER_BYTES.labels(**labels).inc(nbytes)
+        KV_TRANSFER_BLOCKS.labels(**labels).inc(blocks)
+        KV_TRANSFER_SECONDS.labels(**labels).observe(s)
+
+    def transfer_failed(self, transport: str, direction: str) -> None:
+        KV_TRANSFER_FAILURES.labels(**self.labels, transport=transport, direction=direction).inc()

@@ -1,0 +1,144 @@
+"""`PrefillService`: steps 3 and 6 of a request's path on the prefill side. `Prefill` runs
+the prompt in the worker's continuous batch (chunked, prefix-cached), returns the first token
+and a `KvHandle`, and keeps the blocks under a lease; `TransferKv` sends them into the
+receives a decode worker posted, then frees them; `ReleaseKv` frees them unsent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.request import Request, RequestStatus
+from pdserve.services.convert import params_from_proto
+from pdserve.services.prefill.leases import Lease, LeaseError, LeaseTable
+from pdserve.services.worker import Worker
+from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, worker: Worker, lease_s: float) -> None:
+        self.worker = worker
+        self.leases = LeaseTable(worker.loop.engine, lease_s)
+        worker.loop.housekeeping.append(self._housekeeping)
+
+    def _housekeeping(self) -> None:
+        self.leases.expire()
+        self.worker.metrics.held = len(self.leases)
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        loop = self.worker.loop
+        try:
+            if not request.request_id:
+                raise InvalidRequestError("request_id", "must not be empty")
+            if not request.prompt_token_ids:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            params = params_from_proto(request.sampling)
+            req = await loop.add(
+                list(request.prompt_token_ids), params, request.request_id, prefill_only=True
+            )
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            final = None
+            async for out in loop.stream(request.request_id):
+                final = out
+            assert final is not None and final.finished
+            if final.finish_reason == "abort":
+                await context.abort(grpc.StatusCode.ABORTED, "request aborted by the worker")
+            response = prefill_pb2.PrefillResponse(
+                first_token_id=final.new_token_ids[0],
+                text=final.new_text,
+                finish_reason=final.finish_reason or "",
+                cached_tokens=final.cached_tokens,
+            )
+            if final.finish_reason is None:  # PREFILLED: hand the blocks off
+                lease = await asyncio.shield(loop.call(lambda: self.leases.grant(req)))
+                response.kv_handle.CopyFrom(self._handle(req, lease.lease_id, lease))
+            return response
+        except asyncio.CancelledError:
+            # The caller left (cancelled, deadline): no one will pull these blocks.
+            await asyncio.shield(loop.call(lambda: self._drop(req)))
+            raise
+
+    def _drop(self, req: Request) -> None:
+        if req.status == RequestStatus.PREFILLED:
+            self.leases.release_request(req)
+        else:
+            self.worker.loop.engine.abort_request(req.request_id)
+
+    def _handle(self, req: Request, lease_id: str, lease: Lease) -> kv_pb2.KvHandle:
+        w = self.worker
+        expires = Timestamp()
+        expires.FromNanoseconds(int(lease.expires_at_unix * 1e9))
+        assert w.transport is not None
+        return kv_pb2.KvHandle(
+            worker_id=w.worker_id,
+            grpc_address=w.address,
+            transport=w.transport.kind,
+            transport_address=w.transport.address,
+            lease_id=lease_id,
+            block_ids=req.block_ids,
+            num_tokens=req.num_prompt_tokens,
+            block_size=w.loop.engine.config.block_size,
+            layout_fingerprint=w.loop.engine.runner.layout_fingerprint,
+            lease_expires_at=expires,
+        )
+
+    async def TransferKv(
+        self, request: prefill_pb2.TransferKvRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.TransferKvResponse:
+        w = self.worker
+        assert w.transport is not None
+        lease_id = request.lease_id
+        try:
+            block_ids = await w.loop.call(
+                lambda: self.leases.begin_send(lease_id, request.first_block)
+            )
+        except LeaseError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.receiver_address:
+            await w.loop.call(lambda: self.leases.release(lease_id))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "receiver_address: is empty")
+        transport = w.transport
+        error: KvTransferError | None = None
+        try:
+            future = transport.send(
+                request.receiver_address, request.tag, block_ids, w.transfer_timeout_s
+            )
+            result = await asyncio.wrap_future(future)
+        except KvTransferError as e:
+            error = e
+        except asyncio.CancelledError:
+            transport.cancel(request.tag)
+            w.metrics.transfer_failed(transport.kind, "send")
+            raise
+        finally:
+            # Release on pull: sent or failed, these blocks are done with.
+            await asyncio.shield(w.loop.call(lambda: self.leases.release(lease_id)))
+        if error is not None:
+            transport.cancel(request.tag)
+            w.metrics.transfer_failed(transport.kind, "send")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")
+        w.metrics.transfer(
+            transport.kind, "send", result.num_blocks, result.num_bytes, result.seconds
+        )
+        return prefill_pb2.TransferKvResponse(
+            num_blocks=result.num_blocks, num_bytes=result.num_bytes
+        )
+
+    async def ReleaseKv(
+        self, request: prefill_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.ReleaseKvResponse:
+        released = await self.worker.loop.call(lambda: self.leases.release(request.lease_id))
+        return prefill_pb2.ReleaseKvResponse(released=released)

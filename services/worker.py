@@ -1,0 +1,165 @@
+"""One worker process (prefill, decode or colocated): the engine in its thread, the KV
+transport bound to the engine's cache, the metrics, and the gRPC server around the role's
+servicer. `pdserve prefill|decode|colocated` all start here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from pdserve.common.kv_transfer import KvTransport, create_transport
+from pdserve.services.engine_args import add_engine_args, env, load_engine
+from pdserve.services.engine_loop import EngineLoop
+from pdserve.services.grpc_server import ServiceProcess
+from pdserve.services.metrics import WorkerMetrics
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass
+class Worker:
+    role: str
+    worker_id: str
+    address: str  # host:port of this worker's gRPC server
+    loop: EngineLoop
+    transport: KvTransport | None
+    metrics: WorkerMetrics
+    transfer_timeout_s: float
+
+
+def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("service (each also read from PDSERVE_<NAME>)")
+    g.add_argument(
+        "--host",
+        default=env("host", "127.0.0.1"),
+        help="address to listen on (default: %(default)s)",
+    )
+    g.add_argument(
+        "--port",
+        type=int,
+        default=int(env("port", str(default_port)) or 0),
+        help="gRPC port; 0 picks a free one (default: %(default)s)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("metrics_port", "0") or 0),
+        help="Prometheus /metrics port; 0 picks a free one (default: %(default)s)",
+    )
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_service_args(p, {"prefill": 50061, "decode": 50071, "colocated": 50081}[role])
+    g = p.add_argument_group("worker")
+    g.add_argument(
+        "--worker-id",
+        default=env("worker_id"),
+        help="name in KV handles and metrics (default: ROLE-HOST-PORT)",
+    )
+    g.add_argument(
+        "--kv-transport",
+        default=env("kv_transport", "ucx"),
+        choices=["ucx"],
+        help="how KV blocks move between workers (default: %(default)s)",
+    )
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=float(env("transfer_timeout", "30") or 30),
+        help="seconds a KV transfer may take before it fails (default: %(default)s)",
+    )
+    if role == "prefill":
+        g.add_argument(
+            "--kv-lease",
+            type=float,
+            default=float(env("kv_lease", "30") or 30),
+            help="seconds prefilled blocks wait for a pull before they are freed "
+            "(default: %(default)s)",
+        )
+    if role == "decode":
+        g.add_argument(
+            "--max-pending",
+            type=int,
+            default=int(env("max_pending", "256") or 256),
+            help="requests that may wait for KV blocks before new ones are refused "
+            "with RESOURCE_EXHAUSTED (default: %(default)s)",
+        )
+    add_engine_args(p)
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    """Load the engine, serve until SIGINT / SIGTERM, then end the process (a process that
+    used UCX may not end by itself)."""
+    code = asyncio.run(_serve(args, role))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def _serve(args: argparse.Namespace, role: str) -> int:
+    engine = load_engine(args)
+    process = ServiceProcess(args.host, args.port, args.metrics_port)
+    worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    model = os.path.basename(str(engine.model_dir))
+    transport = None
+    if role != "colocated":
+        transport = create_transport(args.kv_transport)
+        transport.register_pool(engine.runner.kv_cache)
+    worker = Worker(
+        role=role,
+        worker_id=worker_id,
+        address=process.address,
+        loop=loop,
+        transport=transport,
+        metrics=WorkerMetrics(engine, role, worker_id, model),
+        transfer_timeout_s=args.transfer_timeout,
+    )
+    names = _add_servicer(worker, process, args)
+    loop.start()
+
+    async def shutdown() -> None:
+        loop.stop()
+        if transport is not None:
+            transport.close()
+
+    process.on_stop(shutdown)
+    ready = {
+        "event": "listening",
+        "role": role,
+        "worker_id": worker_id,
+        "grpc": process.address,
+        "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
+    }
+    await process.run(names, on_ready=lambda: print(json.dumps(ready), flush=True))
+    return 0
+
+
+def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namespace) -> list[str]:
+    from pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
+
+    if worker.role == "prefill":
+        from pdserve.services.prefill.servicer import PrefillServicer
+
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(
+            PrefillServicer(worker, args.kv_lease), process.server
+        )
+        return ["pdserve.v1.PrefillService"]
+    if worker.role == "decode":
+        from pdserve.services.decode.servicer import DecodeServicer
+
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(
+            DecodeServicer(worker, args.max_pending), process.server
+        )
+        return ["pdserve.v1.DecodeService"]
+    from pdserve.services.colocated import ColocatedServicer
+
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(
+        ColocatedServicer(worker), process.server
+    )
+    return ["pdserve.v1.GenerateService"]
