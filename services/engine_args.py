@@ -28,9 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dtype",
-        default=env("dtype", "bfloat16"),
-        choices=sorted(DTYPES),
-        help="weights, activations and KV cache dtype (default: %(default)s)",
+        default=env("dtype", "auto"),
+        choices=["auto", *sorted(DTYPES)],
+        help="weights, activations and KV cache dtype; auto is bfloat16 on GPUs and CPUs with "
+        "native bf16 (AVX512-BF16, AMX), float32 elsewhere (default: %(default)s)",
     )
     g.add_argument(
         "--device", default=env("device", "cpu"), help="cpu or cuda[:N] (default: %(default)s)"

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
@@ -132,7 +133,8 @@ def test_32_concurrent_streams_match(cluster, offline):
 def test_kv_really_moves_and_decode_reuses_its_prefix(cluster, default_model_dir):
     decode = cluster["decode"]
     stub = cluster["stub"]
-    block_bytes = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2 in bf16: layers, K+V, block, heads, dim
+    elem = torch.empty((), dtype=EngineConfig().torch_dtype).element_size()  # as the workers
+    block_bytes = 30 * 2 * 16 * 3 * 64 * elem  # SmolLM2: layers, K+V, block, kv heads, dim
     story = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
 
     def run(prompt: str) -> tuple[dict, float, float]:
@@ -175,7 +177,7 @@ def test_cancel_mid_decode_frees_blocks_on_both_workers(cluster):
 
 def test_cancel_mid_prefill_frees_blocks(cluster):
     free = {r: cluster[r].free_blocks() for r in ("prefill", "decode")}
-    long_prompt = list(range(1000, 1000 + 1900))  # several prefill chunks on one core
+    long_prompt = list(range(1000, 1600))  # seconds of prefill on one core
     call = cluster["stub"].Generate(
         generate_pb2.GenerateRequest(token_ids=long_prompt, sampling=greedy(50)), timeout=0.3
     )

@@ -123,7 +123,7 @@ def test_grpcurl_sees_the_api_through_reflection(disaggregated):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert reply.returncode == 0, reply.stderr
-    assert '"finishReason": "length"' in reply.stdout
+    assert '"finish_reason": "length"' in reply.stdout and " Paris" in reply.stdout
     health = subprocess.run(
         [grpcurl, "-plaintext", "-d", '{"service": ""}', ready["coordinator"],
          "grpc.health.v1.Health/Check"], capture_output=True, text=True, timeout=30,
