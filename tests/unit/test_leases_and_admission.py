@@ -1,0 +1,108 @@
+"""The two pieces of KV state a handoff adds around the engine: the prefill side's leases
+(blocks held until pulled, released or expired) and the decode side's admission queue
+(back-pressure: wait for blocks, bounded, withdrawable). No block may leak either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.services.decode.admission import Admission, AdmissionQueueFull
+from pdserve.services.prefill.leases import LeaseError, LeaseTable
+
+pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _engine(model_dir, tokens: int = 1024) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", threads=1, kv_cache_tokens=tokens)
+    )
+
+
+def _prefilled(engine: LLMEngine, prompt: list[int], rid: str):
+    request = engine.add_request(prompt, GREEDY, rid, prefill_only=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return request
+
+
+def test_lease_release_on_pull_and_errors(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    free = engine.kv_cache.num_free_blocks
+    leases = LeaseTable(engine, lease_s=60)
+    lease = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))  # 3 blocks
+    assert engine.kv_cache.num_free_blocks == free - 3
+    assert leases.begin_send(lease.lease_id, 1) == lease.request.block_ids[1:]
+    with pytest.raises(LeaseError, match="already being pulled"):
+        leases.begin_send(lease.lease_id, 0)
+    leases.expire()  # a lease being sent does not expire
+    assert len(leases) == 1
+    assert leases.release(lease.lease_id)
+    assert not leases.release(lease.lease_id)
+    assert engine.kv_cache.num_free_blocks == free
+    with pytest.raises(LeaseError, match="lease_id"):
+        leases.begin_send(lease.lease_id, 0)
+
+
+def test_lease_first_block_out_of_range(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    leases = LeaseTable(engine, lease_s=60)
+    lease = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))
+    with pytest.raises(ValueError, match=r"first_block: must be in \[0, 3\)"):
+        leases.begin_send(lease.lease_id, 3)
+
+
+def test_unpulled_lease_expires(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    free = engine.kv_cache.num_free_blocks
+    leases = LeaseTable(engine, lease_s=0.0)
+    leases.grant(_prefilled(engine, list(range(100, 140)), "a"))
+    leases.expire()
+    assert len(leases) == 0 and leases.num_expired == 1
+    assert engine.kv_cache.num_free_blocks == free
+
+
+def test_release_request_without_a_lease(tiny_model_dir):
+    """A caller gone between the first token and the lease: the blocks still come back."""
+    engine = _engine(tiny_model_dir)
+    free = engine.kv_cache.num_free_blocks
+    leases = LeaseTable(engine, lease_s=60)
+    leases.release_request(_prefilled(engine, list(range(100, 140)), "a"))
+    assert engine.kv_cache.num_free_blocks == free
+
+
+def test_admission_waits_for_blocks_and_is_bounded(tiny_model_dir):
+    engine = _engine(tiny_model_dir, tokens=64)  # 4 blocks
+    admission = Admission(engine, max_pending=1)
+    prompt = list(range(200, 240))  # 40 tokens + the first token: 3 blocks
+    a = engine.new_prefilled_request(prompt, 5, GREEDY, "a")
+    b = engine.new_prefilled_request(list(range(300, 340)), 5, GREEDY, "b")
+    c = engine.new_prefilled_request(list(range(400, 440)), 5, GREEDY, "c")
+    assert admission.submit(a).result(0) == 0
+    waiting = admission.submit(b)
+    assert not waiting.done() and engine.kv_cache.num_free_blocks == 1
+    with pytest.raises(AdmissionQueueFull, match="max_pending 1"):
+        admission.submit(c)
+    admission.admit()
+    assert not waiting.done()
+    admission.withdraw(a)  # a's pull failed: its blocks go back
+    admission.admit()
+    assert waiting.result(0) == 0
+    admission.withdraw(b)
+    assert engine.kv_cache.num_free_blocks == 4
+
+
+def test_withdraw_from_the_queue(tiny_model_dir):
+    engine = _engine(tiny_model_dir, tokens=64)
+    admission = Admission(engine, max_pending=4)
+    a = engine.new_prefilled_request(list(range(200, 240)), 5, GREEDY, "a")
+    b = engine.new_prefilled_request(list(range(300, 340)), 5, GREEDY, "b")
+    admission.submit(a)
+    waiting = admission.submit(b)
+    admission.withdraw(b)
+    assert waiting.cancelled() and not admission.pending
+    admission.withdraw(a)
+    assert engine.kv_cache.num_free_blocks == 4
