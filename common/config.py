@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported only when a dtype is needed: the CLI's clients and the coordinator never do.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def native_bf16_cpu() -> bool:
@@ -53,14 +56,16 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[auto_dtype(self.device) if self.dtype == "auto" else self.dtype]
+        import torch
+
+        return getattr(torch, auto_dtype(self.device) if self.dtype == "auto" else self.dtype)
 
     def validate(self) -> EngineConfig:
         if self.dtype == "auto":
             self.dtype = auto_dtype(self.device)
-        if self.dtype not in DTYPES:
+        if self.dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"dtype: must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+                f"dtype: must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
             )
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device: must be cpu or cuda[:N], got {self.device!r}")

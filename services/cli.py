@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     from pdserve.services.client import add_client_args
     from pdserve.services.coordinator.main import add_coordinator_args
-    from pdserve.services.worker import add_service_args, add_worker_args
+    from pdserve.services.service_args import add_service_args, add_worker_args
 
     serve = sub.add_parser(
         "serve",

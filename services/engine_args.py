@@ -8,7 +8,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from pdserve.common.config import DTYPES, EngineConfig
+from pdserve.common.config import DTYPE_NAMES, EngineConfig
 from pdserve.common.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default=env("dtype", "auto"),
-        choices=["auto", *sorted(DTYPES)],
+        choices=["auto", *DTYPE_NAMES],
         help="weights, activations and KV cache dtype; auto is bfloat16 on GPUs and CPUs with "
         "native bf16 (AVX512-BF16, AMX), float32 elsewhere (default: %(default)s)",
     )

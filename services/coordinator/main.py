@@ -11,7 +11,7 @@ import sys
 
 from pdserve.services.coordinator.router import POLICIES, WorkerPool
 from pdserve.services.engine_args import env
-from pdserve.services.worker import add_service_args
+from pdserve.services.service_args import add_service_args
 
 
 def add_coordinator_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,69 @@
+"""Flags of the serving commands (`serve`, `prefill`, `decode`, `colocated`), each also read
+from a `PDSERVE_<NAME>` environment variable. Kept apart from the services themselves so
+that `pdserve --help` and the clients start without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.services.engine_args import add_engine_args, env
+
+
+def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("service (each also read from PDSERVE_<NAME>)")
+    g.add_argument(
+        "--host",
+        default=env("host", "127.0.0.1"),
+        help="address to listen on (default: %(default)s)",
+    )
+    g.add_argument(
+        "--port",
+        type=int,
+        default=int(env("port", str(default_port)) or 0),
+        help="gRPC port; 0 picks a free one (default: %(default)s)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("metrics_port", "0") or 0),
+        help="Prometheus /metrics port; 0 picks a free one (default: %(default)s)",
+    )
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_service_args(p, {"prefill": 50061, "decode": 50071, "colocated": 50081}[role])
+    g = p.add_argument_group("worker")
+    g.add_argument(
+        "--worker-id",
+        default=env("worker_id"),
+        help="name in KV handles and metrics (default: ROLE-HOST-PORT)",
+    )
+    g.add_argument(
+        "--kv-transport",
+        default=env("kv_transport", "ucx"),
+        choices=["ucx"],
+        help="how KV blocks move between workers (default: %(default)s)",
+    )
+    g.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=float(env("transfer_timeout", "30") or 30),
+        help="seconds a KV transfer may take before it fails (default: %(default)s)",
+    )
+    if role == "prefill":
+        g.add_argument(
+            "--kv-lease",
+            type=float,
+            default=float(env("kv_lease", "30") or 30),
+            help="seconds prefilled blocks wait for a pull before they are freed "
+            "(default: %(default)s)",
+        )
+    if role == "decode":
+        g.add_argument(
+            "--max-pending",
+            type=int,
+            default=int(env("max_pending", "256") or 256),
+            help="requests that may wait for KV blocks before new ones are refused "
+            "with RESOURCE_EXHAUSTED (default: %(default)s)",
+        )
+    add_engine_args(p)
