@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,6 +35,12 @@ class WorkerFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def worker_request_id(request_id: str) -> str:
+    """The id workers see: the client's plus a random suffix, so two clients that pick the
+    same id never collide on a worker."""
+    return f"{request_id}.{secrets.token_hex(4)}"
 
 
 def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> WorkerFailed:
@@ -81,13 +88,14 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
             call = worker.stub.Generate(
                 generate_pb2.GenerateRequest(
                     token_ids=parsed.token_ids,
-                    request_id=parsed.request_id,
+                    request_id=worker_request_id(parsed.request_id),
                     sampling=params_to_proto(parsed.params),
                 ),
                 timeout=timeout,
             )
             try:
                 async for response in call:
+                    response.request_id = parsed.request_id
                     yield response
             except grpc.aio.AioRpcError as e:
                 raise _worker_error("colocated", worker.address, e) from None
@@ -99,6 +107,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         assert self.prefill is not None and self.decode is not None
         rid = parsed.request_id
+        wid = worker_request_id(rid)
         sampling = params_to_proto(parsed.params)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -110,7 +119,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
         with self.prefill.track(worker):
             call = worker.stub.Prefill(
                 prefill_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=parsed.token_ids, sampling=sampling
+                    request_id=wid, prompt_token_ids=parsed.token_ids, sampling=sampling
                 ),
                 timeout=remaining(),
             )
@@ -141,7 +150,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
         with self.decode.track(decoder):
             call = decoder.stub.Decode(
                 decode_pb2.DecodeRequest(
-                    request_id=rid,
+                    request_id=wid,
                     prompt_token_ids=parsed.token_ids,
                     first_token_id=prefilled.first_token_id,
                     sampling=sampling,

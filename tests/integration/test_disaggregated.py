@@ -277,3 +277,18 @@ def test_killed_prefill_worker_gives_a_clear_error(cluster):
     assert doomed.grpc in err.value.details()
     assert time.monotonic() - start_time < 35
     assert wait_free(decode, before) == before
+
+
+def test_two_clients_may_use_the_same_request_id(cluster, offline):
+    q = QUESTIONS[0]
+
+    def one(_: int) -> dict:
+        return collect(cluster["stub"].Generate(generate_pb2.GenerateRequest(
+            messages=chat(q), request_id="same", sampling=greedy())))  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(one, range(2)))
+    assert [o["token_ids"] for o in outs] == [offline[q]] * 2
+    responses = list(cluster["stub"].Generate(generate_pb2.GenerateRequest(
+        prompt="Hi", request_id="mine", sampling=greedy(3))))  # fmt: skip
+    assert {r.request_id for r in responses} == {"mine"}
