@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import subprocess
@@ -42,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from machine import cpu_name  # benchmarks/machine.py, beside this script
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = REPO_ROOT.parent / "shared" / "workloads" / "random_256x128.jsonl"
@@ -222,7 +223,7 @@ def measure_machine(
         prefill_flops = 2 * prefill_tokens * sum(w.numel() for w, _ in layer)
     return {
         "threads": threads,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_mm_2048_gflops": round(mm_gflops, 1),
@@ -230,16 +231,6 @@ def measure_machine(
         f"bf16_linear_batch{batch}_by_shape": by_shape,
         f"bf16_linear_batch{prefill_tokens}_gflops": round(prefill_flops / prefill_s / 1e9, 1),
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ---- children: one per system, so each peak RSS is its own ---------------------------------

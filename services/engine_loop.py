@@ -54,11 +54,15 @@ class EngineLoop:
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` in the engine thread between steps; its exception is raised here."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue `fn` for the engine thread without waiting for it (any thread)."""
         future: Future[T] = Future()
         with self._wake:
             self._calls.append((fn, future))
             self._wake.notify()
-        return await asyncio.wrap_future(future)
+        return future
 
     async def add(
         self,

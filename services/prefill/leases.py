@@ -1,15 +1,19 @@
 """Prefilled requests whose KV blocks wait for a decode worker, on the prefill side of the
 handoff. A lease pins the blocks until they are pulled (release on pull), released, or
-expired. Only the engine thread touches this table (through `EngineLoop.call` and its
-housekeeping hook), like every other piece of KV state."""
+expired.
+
+The table has its own lock so that the gRPC handlers grant leases and start transfers
+without waiting for the engine thread (a prefill step can take seconds on a CPU); it never
+frees blocks itself. Whoever takes a request out of it (`pop`, `pop_expired`) hands it to the
+engine thread, the only one that touches the block pool."""
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 
-from pdserve.common.engine import LLMEngine
 from pdserve.common.request import Request, RequestStatus
 
 
@@ -27,10 +31,10 @@ class LeaseError(KeyError):
 
 
 class LeaseTable:
-    def __init__(self, engine: LLMEngine, lease_s: float) -> None:
-        self.engine = engine
+    def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
         self.num_expired = 0
 
     def __len__(self) -> int:
@@ -42,51 +46,50 @@ class LeaseTable:
         lease = Lease(
             lease_id, request, time.monotonic() + self.lease_s, time.time() + self.lease_s
         )
-        self._leases[lease_id] = lease
+        with self._lock:
+            self._leases[lease_id] = lease
         return lease
 
     def begin_send(self, lease_id: str, first_block: int) -> list[int]:
         """The blocks to send, from `first_block` on; the lease stops expiring."""
-        lease = self._get(lease_id)
-        if lease.sending:
-            raise LeaseError(f"lease_id: {lease_id!r} is already being pulled")
-        block_ids = lease.request.block_ids
-        if not 0 <= first_block < len(block_ids):
-            raise ValueError(
-                f"first_block: must be in [0, {len(block_ids)}) for this lease, got {first_block}"
-            )
-        lease.sending = True
-        return block_ids[first_block:]
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise LeaseError(
+                    f"lease_id: {lease_id!r} is not held here (never granted, already pulled "
+                    "or released, or expired)"
+                )
+            if lease.sending:
+                raise LeaseError(f"lease_id: {lease_id!r} is already being pulled")
+            block_ids = lease.request.block_ids
+            if not 0 <= first_block < len(block_ids):
+                raise ValueError(
+                    f"first_block: must be in [0, {len(block_ids)}) for this lease, "
+                    f"got {first_block}"
+                )
+            lease.sending = True
+            return block_ids[first_block:]
 
-    def release(self, lease_id: str) -> bool:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        self.engine.free_request(lease.request)
-        return True
+    def pop(self, lease_id: str) -> Request | None:
+        """End the lease; the caller frees the request's blocks (engine thread)."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+        return None if lease is None else lease.request
 
-    def release_request(self, request: Request) -> None:
-        """Free a prefilled request's blocks whether or not a lease was granted for it."""
-        for lease_id, lease in list(self._leases.items()):
-            if lease.request is request:
-                self.release(lease_id)
-                return
-        if request.status == RequestStatus.PREFILLED:
-            self.engine.free_request(request)
+    def pop_request(self, request: Request) -> bool:
+        """End the lease of this request if it has one."""
+        with self._lock:
+            for lease_id, lease in self._leases.items():
+                if lease.request is request:
+                    del self._leases[lease_id]
+                    return True
+        return False
 
-    def expire(self) -> None:
-        """Housekeeping: free the blocks of leases nobody pulled in time."""
+    def pop_expired(self) -> list[Request]:
+        """The requests whose lease ran out unpulled; the caller frees their blocks."""
         now = time.monotonic()
-        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
-            if not self._leases[lease_id].sending:
-                self.release(lease_id)
-                self.num_expired += 1
-
-    def _get(self, lease_id: str) -> Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise LeaseError(
-                f"lease_id: {lease_id!r} is not held here (never granted, already pulled or "
-                "released, or expired)"
-            )
-        return lease
+        with self._lock:
+            expired = [k for k, v in self._leases.items() if v.expires_at <= now and not v.sending]
+            requests = [self._leases.pop(k).request for k in expired]
+        self.num_expired += len(requests)
+        return requests

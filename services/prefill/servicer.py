@@ -25,12 +25,19 @@ logger = logging.getLogger(__name__)
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, worker: Worker, lease_s: float) -> None:
         self.worker = worker
-        self.leases = LeaseTable(worker.loop.engine, lease_s)
+        self.leases = LeaseTable(lease_s)
         worker.loop.housekeeping.append(self._housekeeping)
 
     def _housekeeping(self) -> None:
-        self.leases.expire()
+        """Engine thread: free the blocks of leases nobody pulled in time."""
+        for request in self.leases.pop_expired():
+            self.worker.loop.engine.free_request(request)
         self.worker.metrics.held = len(self.leases)
+
+    def _free(self, request: Request | None) -> None:
+        """Hand a request taken out of the lease table to the engine thread to free."""
+        if request is not None:
+            self.worker.loop.submit(lambda: self.worker.loop.engine.free_request(request))
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -61,17 +68,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 cached_tokens=final.cached_tokens,
             )
             if final.finish_reason is None:  # PREFILLED: hand the blocks off
-                lease = await asyncio.shield(loop.call(lambda: self.leases.grant(req)))
+                lease = self.leases.grant(req)
                 response.kv_handle.CopyFrom(self._handle(req, lease.lease_id, lease))
             return response
         except asyncio.CancelledError:
             # The caller left (cancelled, deadline): no one will pull these blocks.
-            await asyncio.shield(loop.call(lambda: self._drop(req)))
+            loop.submit(lambda: self._drop(req))
             raise
 
     def _drop(self, req: Request) -> None:
+        """Engine thread: end a request whose caller left, wherever it is."""
         if req.status == RequestStatus.PREFILLED:
-            self.leases.release_request(req)
+            self.leases.pop_request(req)
+            self.worker.loop.engine.free_request(req)
         else:
             self.worker.loop.engine.abort_request(req.request_id)
 
@@ -99,17 +108,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         w = self.worker
         assert w.transport is not None
         lease_id = request.lease_id
+        if not request.receiver_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "receiver_address: is empty")
         try:
-            block_ids = await w.loop.call(
-                lambda: self.leases.begin_send(lease_id, request.first_block)
-            )
+            block_ids = self.leases.begin_send(lease_id, request.first_block)
         except LeaseError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not request.receiver_address:
-            await w.loop.call(lambda: self.leases.release(lease_id))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "receiver_address: is empty")
         transport = w.transport
         error: KvTransferError | None = None
         try:
@@ -125,7 +131,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         finally:
             # Release on pull: sent or failed, these blocks are done with.
-            await asyncio.shield(w.loop.call(lambda: self.leases.release(lease_id)))
+            self._free(self.leases.pop(lease_id))
         if error is not None:
             transport.cancel(request.tag)
             w.metrics.transfer_failed(transport.kind, "send")
@@ -140,5 +146,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def ReleaseKv(
         self, request: prefill_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.ReleaseKvResponse:
-        released = await self.worker.loop.call(lambda: self.leases.release(request.lease_id))
-        return prefill_pb2.ReleaseKvResponse(released=released)
+        taken = self.leases.pop(request.lease_id)
+        self._free(taken)
+        return prefill_pb2.ReleaseKvResponse(released=taken is not None)

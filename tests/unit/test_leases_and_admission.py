@@ -32,16 +32,16 @@ def _prefilled(engine: LLMEngine, prompt: list[int], rid: str):
 def test_lease_release_on_pull_and_errors(tiny_model_dir):
     engine = _engine(tiny_model_dir)
     free = engine.kv_cache.num_free_blocks
-    leases = LeaseTable(engine, lease_s=60)
+    leases = LeaseTable(lease_s=60)
     lease = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))  # 3 blocks
     assert engine.kv_cache.num_free_blocks == free - 3
     assert leases.begin_send(lease.lease_id, 1) == lease.request.block_ids[1:]
     with pytest.raises(LeaseError, match="already being pulled"):
         leases.begin_send(lease.lease_id, 0)
-    leases.expire()  # a lease being sent does not expire
-    assert len(leases) == 1
-    assert leases.release(lease.lease_id)
-    assert not leases.release(lease.lease_id)
+    assert leases.pop_expired() == [] and len(leases) == 1
+    request = leases.pop(lease.lease_id)
+    assert request is lease.request and leases.pop(lease.lease_id) is None
+    engine.free_request(request)
     assert engine.kv_cache.num_free_blocks == free
     with pytest.raises(LeaseError, match="lease_id"):
         leases.begin_send(lease.lease_id, 0)
@@ -49,29 +49,21 @@ def test_lease_release_on_pull_and_errors(tiny_model_dir):
 
 def test_lease_first_block_out_of_range(tiny_model_dir):
     engine = _engine(tiny_model_dir)
-    leases = LeaseTable(engine, lease_s=60)
+    leases = LeaseTable(lease_s=60)
     lease = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))
     with pytest.raises(ValueError, match=r"first_block: must be in \[0, 3\)"):
         leases.begin_send(lease.lease_id, 3)
 
 
-def test_unpulled_lease_expires(tiny_model_dir):
+def test_unpulled_lease_expires_but_not_while_sending(tiny_model_dir):
     engine = _engine(tiny_model_dir)
-    free = engine.kv_cache.num_free_blocks
-    leases = LeaseTable(engine, lease_s=0.0)
-    leases.grant(_prefilled(engine, list(range(100, 140)), "a"))
-    leases.expire()
-    assert len(leases) == 0 and leases.num_expired == 1
-    assert engine.kv_cache.num_free_blocks == free
-
-
-def test_release_request_without_a_lease(tiny_model_dir):
-    """A caller gone between the first token and the lease: the blocks still come back."""
-    engine = _engine(tiny_model_dir)
-    free = engine.kv_cache.num_free_blocks
-    leases = LeaseTable(engine, lease_s=60)
-    leases.release_request(_prefilled(engine, list(range(100, 140)), "a"))
-    assert engine.kv_cache.num_free_blocks == free
+    leases = LeaseTable(lease_s=0.0)
+    idle = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))
+    busy = leases.grant(_prefilled(engine, list(range(200, 240)), "b"))
+    leases.begin_send(busy.lease_id, 0)
+    assert leases.pop_expired() == [idle.request]
+    assert len(leases) == 1 and leases.num_expired == 1
+    assert leases.pop_request(busy.request) and not leases.pop_request(busy.request)
 
 
 def test_admission_waits_for_blocks_and_is_bounded(tiny_model_dir):
