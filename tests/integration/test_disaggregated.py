@@ -292,3 +292,24 @@ def test_two_clients_may_use_the_same_request_id(cluster, offline):
     responses = list(cluster["stub"].Generate(generate_pb2.GenerateRequest(
         prompt="Hi", request_id="mine", sampling=greedy(3))))  # fmt: skip
     assert {r.request_id for r in responses} == {"mine"}
+
+
+def test_prefill_worker_refuses_bad_calls(cluster):
+    stub = cluster["prefill_stub"]
+    before = cluster["prefill"].free_blocks()
+    cases = [
+        (stub.Prefill, prefill_pb2.PrefillRequest(prompt_token_ids=[1]), "request_id"),
+        (stub.Prefill, prefill_pb2.PrefillRequest(request_id="e"), "prompt_token_ids"),
+        (stub.Prefill, prefill_pb2.PrefillRequest(request_id="v", prompt_token_ids=[10**6]),
+         "token_ids"),
+        (stub.TransferKv, prefill_pb2.TransferKvRequest(lease_id="nope", receiver_address=b"x"),
+         "lease_id"),
+        (stub.TransferKv, prefill_pb2.TransferKvRequest(lease_id="nope"), "receiver_address"),
+    ]  # fmt: skip
+    for method, request, field_name in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            method(request, timeout=10)
+        assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        assert err.value.details().startswith(field_name), err.value.details()
+    assert not stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(lease_id="nope")).released
+    assert cluster["prefill"].free_blocks() == before
