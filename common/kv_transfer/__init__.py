@@ -1,9 +1,9 @@
 """KV block transfer between workers: one interface, a UCX implementation for real
 processes and an in-process one for unit tests. See `base.py` for the contract."""
 
-from pdserve.common.kv_transfer.base import KvTransferError, KvTransport, TransferResult
+from pdserve.common.kv_transfer.base import KvTransferError, KvTransport, TransferResult, settled
 
-__all__ = ["KvTransferError", "KvTransport", "TransferResult", "create_transport"]
+__all__ = ["KvTransferError", "KvTransport", "TransferResult", "create_transport", "settled"]
 
 
 def create_transport(kind: str, **kwargs: object) -> KvTransport:

@@ -10,11 +10,14 @@ contiguous buffer). A handoff is a "pull" in two halves that meet on a 64-bit ta
 
 Both halves return a `concurrent.futures.Future` that resolves to a `TransferResult` or fails
 with `KvTransferError` — on a peer that vanished, on `cancel(tag)`, or when `timeout` seconds
-pass: a transfer never hangs. Tags come from `new_tag()`; the low `INDEX_BITS` bits number the
-blocks inside one transfer."""
+pass: a transfer never hangs. After `cancel`, free the blocks only once the future has
+finished (`settled`): the transport may still be finishing a block. Tags come from
+`new_tag()`; the low `INDEX_BITS` bits number the blocks inside one transfer."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import os
 from abc import ABC, abstractmethod
@@ -26,6 +29,13 @@ import torch
 
 INDEX_BITS = 20  # up to ~1M blocks in one transfer
 MAX_BLOCKS_PER_TRANSFER = 1 << INDEX_BITS
+
+
+async def settled(future: Future[TransferResult], timeout: float = 10.0) -> None:
+    """Wait until an aborted transfer's future has finished (it fails): only then is the
+    transport done with its blocks, and may they be freed. Never raises."""
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
 
 
 class KvTransferError(RuntimeError):

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.common.errors import InvalidRequestError
-from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.services.convert import params_from_proto
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
@@ -156,6 +156,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except (grpc.aio.AioRpcError, KvTransferError, asyncio.CancelledError) as e:
             transport.cancel(tag)
             call.cancel()
+            await settled(received)  # only then may the caller free the blocks
             w.metrics.transfer_failed(transport.kind, "receive")
             if isinstance(e, asyncio.CancelledError):
                 raise

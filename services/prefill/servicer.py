@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from pdserve.common.errors import InvalidRequestError
-from pdserve.common.kv_transfer import KvTransferError
+from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request, RequestStatus
 from pdserve.services.convert import params_from_proto
 from pdserve.services.prefill.leases import Lease, LeaseError, LeaseTable
@@ -125,8 +125,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             result = await asyncio.wrap_future(future)
         except KvTransferError as e:
             error = e
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the decode worker gave up
             transport.cancel(request.tag)
+            await settled(future)
             w.metrics.transfer_failed(transport.kind, "send")
             raise
         finally:
