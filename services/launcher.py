@@ -37,21 +37,31 @@ class ServiceChild:
         self.info: dict[str, Any] = {}
 
     def wait_listening(self, timeout_s: float) -> dict[str, Any]:
-        box: list[str] = []
-        reader = threading.Thread(
-            target=lambda: box.append(self.proc.stdout.readline()),  # type: ignore[union-attr]
-            daemon=True,
-        )
+        """The child's "listening" line. Other lines before it (UCX logs to stdout) are
+        passed on to stderr."""
+        box: list[dict[str, Any]] = []
+        reader = threading.Thread(target=self._read_until_listening, args=(box,), daemon=True)
         reader.start()
         reader.join(timeout_s)
-        if not box or not box[0]:
+        if not box:
             code = self.proc.poll()
             why = f"exited with code {code}" if code is not None else "did not start in time"
             raise RuntimeError(f"{self.role} worker {why} (its log is above)")
-        self.info = json.loads(box[0])
+        self.info = box[0]
         # Keep draining stdout so the child never blocks on a full pipe.
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
         return self.info
+
+    def _read_until_listening(self, box: list[dict[str, Any]]) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = None
+            if isinstance(message, dict) and message.get("event") == "listening":
+                box.append(message)
+                return
+            sys.stderr.write(line)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
