@@ -57,7 +57,7 @@ class ServiceProcess:
         self,
         service_names: Sequence[str],
         on_ready: Callable[[], None] | None = None,
-        grace_s: float = 5.0,
+        grace_s: float = 30.0,
     ) -> None:
         """Serve until SIGINT / SIGTERM. `service_names`: the full names to advertise;
         `on_ready` runs once the server answers SERVING."""

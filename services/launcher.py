@@ -1,7 +1,7 @@
 """`pdserve serve`: the whole system on one host — N prefill and M decode workers (or one
 colocated worker) and a coordinator, each its own process. When every one answers healthy
-it prints one JSON "ready" line; SIGINT / SIGTERM stops them all (SIGTERM, a grace period,
-then SIGKILL), and a worker that dies takes the rest down with an error."""
+it prints one JSON "ready" line; SIGINT / SIGTERM stops them all (SIGTERM, a drain of
+`--drain-timeout`, then SIGKILL), and a worker that dies takes the rest down with an error."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from pdserve.services.engine_args import engine_argv
 from pdserve.services.grpc_server import wait_healthy
 
 START_TIMEOUT_S = 300.0
-STOP_GRACE_S = 10.0
 
 
 class ServiceChild:
@@ -68,10 +67,10 @@ class ServiceChild:
             self.proc.send_signal(signal.SIGTERM)
 
 
-def stop_all(children: list[ServiceChild]) -> None:
+def stop_all(children: list[ServiceChild], grace_s: float) -> None:
     for child in children:
         child.stop()
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for child in children:
         try:
             child.proc.wait(max(0.1, deadline - time.monotonic()))
@@ -85,7 +84,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     )
     threads = args.threads or max(1, default_threads() // len(roles))
-    common = ["--host", args.host, "--port", "0", "--metrics-port", "0"]
+    common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
+              "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
     children: list[ServiceChild] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,4 +136,4 @@ def run_serve(args: argparse.Namespace) -> int:
                 return 1
         return 0
     finally:
-        stop_all(children)
+        stop_all(children, args.drain_timeout + 5)

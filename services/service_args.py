@@ -28,6 +28,13 @@ def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
         default=int(env("metrics_port", "0") or 0),
         help="Prometheus /metrics port; 0 picks a free one (default: %(default)s)",
     )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("drain_timeout", "30") or 30),
+        help="on SIGTERM / SIGINT: health turns NOT_SERVING, new calls are refused, and "
+        "calls in flight get this many seconds to finish (default: %(default)s)",
+    )
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:

@@ -76,7 +76,9 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         "grpc": process.address,
         "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
     }
-    await process.run(names, on_ready=lambda: print(json.dumps(ready), flush=True))
+    await process.run(
+        names, on_ready=lambda: print(json.dumps(ready), flush=True), grace_s=args.drain_timeout
+    )
     return 0
 
 

@@ -116,6 +116,8 @@ async def _serve(
         "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
     }
     await process.run(
-        ["pdserve.v1.GenerateService"], on_ready=lambda: print(json.dumps(ready), flush=True)
+        ["pdserve.v1.GenerateService"],
+        on_ready=lambda: print(json.dumps(ready), flush=True),
+        grace_s=args.drain_timeout,
     )
     return 0
