@@ -97,11 +97,14 @@ async def _serve(
             "colocated", colocated, generate_pb2_grpc.GenerateServiceStub, args.policy
         ),
     }
-    if colocated:
-        servicer = CoordinatorServicer(frontend, colocated=pools["colocated"])
-    else:
-        servicer = CoordinatorServicer(frontend, prefill=pools["prefill"], decode=pools["decode"])
     process = ServiceProcess(args.host, args.port, args.metrics_port)
+    identity = {"model": model_dir.name, "worker_id": f"coordinator-{process.port}"}
+    if colocated:
+        servicer = CoordinatorServicer(frontend, colocated=pools["colocated"], **identity)
+    else:
+        servicer = CoordinatorServicer(
+            frontend, prefill=pools["prefill"], decode=pools["decode"], **identity
+        )
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, process.server)
 
     async def close_pools() -> None:

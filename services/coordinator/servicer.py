@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.services.convert import params_to_proto
+from pdserve.services.coordinator.metrics import RequestTimer
 from pdserve.services.coordinator.router import NoWorkerError, WorkerEndpoint, WorkerPool
 from pdserve.services.frontend import Frontend, ParsedRequest, usage
 from pdserve.v1 import (
@@ -54,6 +55,8 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
         prefill: WorkerPool | None = None,
         decode: WorkerPool | None = None,
         colocated: WorkerPool | None = None,
+        model: str = "",
+        worker_id: str = "coordinator",
     ) -> None:
         if colocated is None and (prefill is None or decode is None):
             raise ValueError("workers: give prefill and decode workers, or colocated ones")
@@ -62,22 +65,37 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.decode = decode
         self.colocated = colocated
         self._background: set[asyncio.Task[None]] = set()
+        self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        timer = RequestTimer(self.metric_labels)
         try:
             parsed = self.frontend.parse(request)
         except InvalidRequestError as e:
+            timer.failed("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         path = self._colocated if self.colocated is not None else self._disaggregated
+        finished = False
         try:
             async for response in path(parsed, context.time_remaining()):
+                timer.on_tokens(len(response.token_ids))
+                if response.finish_reason:
+                    finished = True
+                    timer.finished(response.finish_reason, len(parsed.token_ids))
                 yield response
         except WorkerFailed as e:
+            finished = True
+            timer.failed(e.code.name.lower())
             await context.abort(e.code, e.message)
         except NoWorkerError as e:
+            finished = True
+            timer.failed("no_worker")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            if not finished:  # the client left (cancelled, deadline) or the call broke
+                timer.failed("cancelled")
 
     async def _colocated(
         self, parsed: ParsedRequest, timeout: float | None

@@ -313,3 +313,33 @@ def test_prefill_worker_refuses_bad_calls(cluster):
         assert err.value.details().startswith(field_name), err.value.details()
     assert not stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(lease_id="nope")).released
     assert cluster["prefill"].free_blocks() == before
+
+
+def test_coordinator_records_latency_and_outcomes(cluster):
+    coordinator = cluster["coordinator"]
+
+    def count(name: str, **labels: str) -> float:
+        return coordinator.metric(name, role="coordinator", **labels)
+
+    before = {
+        "ttft": count("pdserve_time_to_first_token_seconds_count"),
+        "tpot": count("pdserve_request_time_per_output_token_seconds_count"),
+        "itl": count("pdserve_inter_token_latency_seconds_count"),
+        "length": count("pdserve_request_success_total", finished_reason="length"),
+        "invalid": count("pdserve_request_failure_total", cause="invalid_argument"),
+        "generated": count("pdserve_generation_tokens_total"),
+    }
+    collect(cluster["stub"].Generate(generate_pb2.GenerateRequest(
+        prompt="Count to ten:", sampling=greedy(6, ignore_eos=True))))  # fmt: skip
+    with pytest.raises(grpc.RpcError):
+        collect(cluster["stub"].Generate(generate_pb2.GenerateRequest()))
+    assert count("pdserve_time_to_first_token_seconds_count") == before["ttft"] + 1
+    assert count("pdserve_request_time_per_output_token_seconds_count") == before["tpot"] + 1
+    assert count("pdserve_inter_token_latency_seconds_count") == before["itl"] + 5
+    assert count("pdserve_request_success_total", finished_reason="length") == (
+        before["length"] + 1
+    )
+    assert count("pdserve_request_failure_total", cause="invalid_argument") == (
+        before["invalid"] + 1
+    )
+    assert count("pdserve_generation_tokens_total") == before["generated"] + 6

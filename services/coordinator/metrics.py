@@ -1,0 +1,73 @@
+"""The coordinator's request metrics: latency as the client sees it, end to end (TTFT here
+includes routing, queueing and prefill; TPOT includes the KV handoff and decode). vLLM's
+names and buckets with a `pdserve_` prefix; the buckets span GPU and CPU speeds."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Histogram
+
+LABELS = ("model", "role", "worker")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+TTFT = Histogram("pdserve_time_to_first_token_seconds",
+                 "Request arrival at the coordinator to its first token sent", LABELS,
+                 buckets=TTFT_BUCKETS)  # fmt: skip
+ITL = Histogram("pdserve_inter_token_latency_seconds",
+                "Time between two responses carrying tokens, per token", LABELS,
+                buckets=ITL_BUCKETS)  # fmt: skip
+TPOT = Histogram("pdserve_request_time_per_output_token_seconds",
+                 "Per request: (last token - first token) / (output tokens - 1)", LABELS,
+                 buckets=ITL_BUCKETS)  # fmt: skip
+E2E = Histogram("pdserve_e2e_request_latency_seconds", "Request arrival to its last response",
+                LABELS, buckets=E2E_BUCKETS)  # fmt: skip
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", LABELS)
+GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated", LABELS)
+SUCCESS = Counter("pdserve_request_success", "Finished requests, by finish reason",
+                  (*LABELS, "finished_reason"))  # fmt: skip
+FAILURE = Counter("pdserve_request_failure", "Requests that ended in an error, by cause",
+                  (*LABELS, "cause"))  # fmt: skip
+
+
+class RequestTimer:
+    """Follows one request through the coordinator and records it when it ends."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            TTFT.labels(**self.labels).observe(now - self.start)
+        elif self.last is not None:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                ITL.labels(**self.labels).observe(gap)
+        self.last = now
+        self.tokens += n
+
+    def finished(self, reason: str, prompt_tokens: int) -> None:
+        now = time.monotonic()
+        E2E.labels(**self.labels).observe(now - self.start)
+        if self.first is not None and self.last is not None and self.tokens > 1:
+            TPOT.labels(**self.labels).observe((self.last - self.first) / (self.tokens - 1))
+        PROMPT_TOKENS.labels(**self.labels).inc(prompt_tokens)
+        GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
+        SUCCESS.labels(**self.labels, finished_reason=reason).inc()
+
+    def failed(self, cause: str) -> None:
+        GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
+        FAILURE.labels(**self.labels, cause=cause).inc()
