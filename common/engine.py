@@ -68,6 +68,7 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_token_ids()
         self._ids = itertools.count()
+        self.last_batch_size = 0  # requests in the last step (0: nothing could be scheduled)
 
     def _eos_token_ids(self) -> frozenset[int]:
         """EOS ids from the model config, the generation config (where chat models list
@@ -194,6 +195,14 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
+    def drop(self, request: Request) -> None:
+        """End this request wherever it is and give back its blocks: in the scheduler
+        (aborted), PREFILLED (blocks kept for a handoff), or reserved for a pull."""
+        if self.scheduler.requests.get(request.request_id) is request:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        elif request.status == RequestStatus.PREFILLED or not request.finished:
+            self.free_request(request)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -201,6 +210,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_batch_size = len(batch.requests)
         if not batch.requests:
             return []
         sampled = self.runner.execute(batch)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+from transformers import AutoTokenizer
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.services.frontend import Frontend, usage
@@ -18,8 +19,12 @@ class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         engine = worker.loop.engine
+        # Its own tokenizer: the engine thread's is busy detokenizing, and a Rust-backed
+        # tokenizer used from two threads at once can fail with "Already borrowed".
         self.frontend = Frontend(
-            engine.tokenizer, engine.runner.hf_config.vocab_size, engine.max_model_len
+            AutoTokenizer.from_pretrained(engine.model_dir),
+            engine.runner.hf_config.vocab_size,
+            engine.max_model_len,
         )
 
     async def Generate(

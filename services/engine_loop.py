@@ -71,12 +71,18 @@ class EngineLoop:
         request_id: str,
         prefill_only: bool = False,
     ) -> Request:
-        """Queue a request; its outputs go to `stream(request_id)`."""
+        """Queue a request; its outputs go to `stream(request_id)`. If the caller is
+        cancelled meanwhile, the request is dropped once the engine has it."""
         self.open_stream(request_id)
+        added = self.submit(
+            lambda: self.engine.add_request(prompt, params, request_id, prefill_only)
+        )
         try:
-            return await self.call(
-                lambda: self.engine.add_request(prompt, params, request_id, prefill_only)
-            )
+            return await asyncio.shield(asyncio.wrap_future(added))
+        except asyncio.CancelledError:
+            self._queues.pop(request_id, None)
+            self.submit(lambda: added.exception() is None and self.engine.drop(added.result()))
+            raise
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -137,6 +143,12 @@ class EngineLoop:
             self.steps += 1
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
+            elif engine.last_batch_size == 0:
+                # Requests wait for blocks (held by leases or reservations): do not spin;
+                # a call that frees blocks wakes us, housekeeping runs at least this often.
+                with self._wake:
+                    if not self._calls and not self._stopped:
+                        self._wake.wait(IDLE_WAIT_S)
 
     def _abort_all(self) -> list[RequestOutput]:
         outputs = []

@@ -17,7 +17,6 @@ finished (`settled`): the transport may still be finishing a block. Tags come fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 from abc import ABC, abstractmethod
@@ -33,9 +32,22 @@ MAX_BLOCKS_PER_TRANSFER = 1 << INDEX_BITS
 
 async def settled(future: Future[TransferResult], timeout: float = 10.0) -> None:
     """Wait until an aborted transfer's future has finished (it fails): only then is the
-    transport done with its blocks, and may they be freed. Never raises."""
-    with contextlib.suppress(BaseException):
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+    transport done with its blocks, and may they be freed. A cancellation of the caller
+    meanwhile is held back until then (up to `timeout`) and raised after."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    cancelled = False
+    while not future.done() and loop.time() < deadline:
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), deadline - loop.time()
+            )
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # the failure we waited for, or the timeout
+            break
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class KvTransferError(RuntimeError):

@@ -156,48 +156,46 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
             first.usage.CopyFrom(usage(prompt_tokens, 1, prefilled.cached_tokens))
             yield first
             return
-        yield first
 
         handle = prefilled.kv_handle
+        pulled = False  # decode's first message says the blocks are in place
         try:
+            yield first
             decoder = self.decode.pick()
-        except NoWorkerError:
-            self._release(worker, handle.lease_id)
-            raise
-        completion = 1
-        with self.decode.track(decoder):
-            call = decoder.stub.Decode(
-                decode_pb2.DecodeRequest(
-                    request_id=wid,
-                    prompt_token_ids=parsed.token_ids,
-                    first_token_id=prefilled.first_token_id,
-                    sampling=sampling,
-                    kv_handle=handle,
-                ),
-                timeout=remaining(),
-            )
-            pulled = False
-            try:
-                async for step in call:
-                    pulled = True
-                    if not (step.token_ids or step.text or step.finish_reason):
-                        continue
-                    completion += len(step.token_ids)
-                    out = generate_pb2.GenerateResponse(
-                        request_id=rid, token_ids=step.token_ids, text=step.text
-                    )
-                    if step.finish_reason:
-                        out.finish_reason = step.finish_reason
-                        out.usage.CopyFrom(
-                            usage(prompt_tokens, completion, prefilled.cached_tokens)
+            completion = 1
+            with self.decode.track(decoder):
+                call = decoder.stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        request_id=wid,
+                        prompt_token_ids=parsed.token_ids,
+                        first_token_id=prefilled.first_token_id,
+                        sampling=sampling,
+                        kv_handle=handle,
+                    ),
+                    timeout=remaining(),
+                )
+                try:
+                    async for step in call:
+                        pulled = True
+                        if not (step.token_ids or step.text or step.finish_reason):
+                            continue
+                        completion += len(step.token_ids)
+                        out = generate_pb2.GenerateResponse(
+                            request_id=rid, token_ids=step.token_ids, text=step.text
                         )
-                    yield out
-            except grpc.aio.AioRpcError as e:
-                raise _worker_error("decode", decoder.address, e) from None
-            finally:
-                call.cancel()
-                if not pulled:  # failed or cancelled before the pull: free prefill's blocks
-                    self._release(worker, handle.lease_id)
+                        if step.finish_reason:
+                            out.finish_reason = step.finish_reason
+                            out.usage.CopyFrom(
+                                usage(prompt_tokens, completion, prefilled.cached_tokens)
+                            )
+                        yield out
+                except grpc.aio.AioRpcError as e:
+                    raise _worker_error("decode", decoder.address, e) from None
+                finally:
+                    call.cancel()
+        finally:
+            if not pulled:  # failed or cancelled before the pull: free prefill's blocks
+                self._release(worker, handle.lease_id)
 
     def _release(self, worker: WorkerEndpoint, lease_id: str) -> None:
         """Ask the prefill worker to free a lease, in the background (a lease that was

@@ -1,7 +1,8 @@
 """Decode-side back-pressure, step 6 of a request's path: a prefilled request is admitted
 only when blocks for its prompt and first token can be allocated (reusing this worker's
-cached prefix). Requests that do not fit wait in a bounded FIFO, retried before every engine
-step as blocks come free; past the bound, new ones are refused. Engine thread only."""
+cached prefix) and the batch has a free slot (`max_num_seqs`, counting requests still
+pulling). Requests that do not fit wait in a bounded FIFO, retried before every engine
+step; past the bound, new ones are refused. Engine thread only."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from pdserve.common.engine import LLMEngine
-from pdserve.common.request import Request, RequestStatus
+from pdserve.common.request import Request
 
 
 class AdmissionQueueFull(RuntimeError):
@@ -21,13 +22,14 @@ class Admission:
         self.engine = engine
         self.max_pending = max_pending
         self.pending: deque[tuple[Request, Future[int]]] = deque()
+        self._reserved: set[Request] = set()  # blocks allocated, pull under way
 
     def submit(self, request: Request) -> Future[int]:
         """A future of the number of leading blocks served from the local prefix cache,
         resolved once the request's blocks are allocated."""
         future: Future[int] = Future()
         if not self.pending:
-            num_cached = self.engine.reserve_prefilled(request)
+            num_cached = self._reserve(request)
             if num_cached is not None:
                 future.set_result(num_cached)
                 return future
@@ -46,24 +48,37 @@ class Admission:
             if future.cancelled():
                 self.pending.popleft()
                 continue
-            num_cached = self.engine.reserve_prefilled(request)
+            num_cached = self._reserve(request)
             if num_cached is None:
                 return
             self.pending.popleft()
             if future.set_running_or_notify_cancel():
                 future.set_result(num_cached)
             else:
+                self._reserved.discard(request)
                 self.engine.free_request(request)
 
+    def start(self, request: Request) -> None:
+        """The pull is done: the request joins the running batch."""
+        self._reserved.discard(request)
+        self.engine.start_prefilled(request)
+
     def withdraw(self, request: Request) -> None:
-        """The request is gone before it joined the batch: drop it from the queue or give
-        back its reserved blocks; a running one is aborted."""
+        """The request is gone before it finished: drop it from the queue, give back its
+        reserved blocks, or abort it in the batch."""
         for i, (queued, future) in enumerate(self.pending):
             if queued is request:
                 del self.pending[i]
                 future.cancel()
                 return
-        if request.status == RequestStatus.RUNNING:
-            self.engine.abort_request(request.request_id)
-        elif not request.finished:
-            self.engine.free_request(request)
+        self._reserved.discard(request)
+        self.engine.drop(request)
+
+    def _reserve(self, request: Request) -> int | None:
+        scheduler = self.engine.scheduler
+        if len(scheduler.running) + len(self._reserved) >= scheduler.max_num_seqs:
+            return None
+        num_cached = self.engine.reserve_prefilled(request)
+        if num_cached is not None:
+            self._reserved.add(request)
+        return num_cached

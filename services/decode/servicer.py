@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -54,21 +55,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             loop.open_stream(rid)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        started = False
+        finished = False
         try:
             try:
                 admitted = await loop.call(lambda: self.admission.submit(req))
             except AdmissionQueueFull as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            num_cached = await asyncio.wrap_future(admitted)
+            # Waiting for blocks past the prefill lease would only pull from nothing.
+            lease_left = request.kv_handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
+            try:
+                num_cached = await asyncio.wait_for(
+                    asyncio.shield(asyncio.wrap_future(admitted)), max(0.0, lease_left - 1.0)
+                )
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "this decode worker had no free KV blocks or batch slot before the "
+                    "prefill lease ran out; retry later or elsewhere",
+                )
             try:
                 pulled = await self._pull(req, request.kv_handle, num_cached)
             except PullFailed as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            await loop.call(lambda: engine.start_prefilled(req))
-            started = True
+            await loop.call(lambda: self.admission.start(req))
             yield decode_pb2.DecodeResponse(pulled_blocks=pulled)
             async for out in loop.stream(rid):
+                finished = out.finished
                 yield decode_pb2.DecodeResponse(
                     token_ids=out.new_token_ids,
                     text=out.new_text,
@@ -76,8 +88,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
         finally:
             loop.close_stream(rid)
-            if not started:
-                await asyncio.shield(loop.call(lambda: self.admission.withdraw(req)))
+            if not finished:  # refused, failed, or the caller left: give everything back
+                loop.submit(lambda: self.admission.withdraw(req))
 
     def _check(self, request: decode_pb2.DecodeRequest) -> None:
         if not request.request_id:

@@ -30,6 +30,10 @@ class LeaseError(KeyError):
     """The lease is unknown: never granted, already pulled or released, or expired."""
 
 
+class LeaseBusy(RuntimeError):
+    """The lease is being pulled right now."""
+
+
 class LeaseTable:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
@@ -60,7 +64,7 @@ class LeaseTable:
                     "or released, or expired)"
                 )
             if lease.sending:
-                raise LeaseError(f"lease_id: {lease_id!r} is already being pulled")
+                raise LeaseBusy(f"lease_id: {lease_id!r} is already being pulled")
             block_ids = lease.request.block_ids
             if not 0 <= first_block < len(block_ids):
                 raise ValueError(
@@ -75,6 +79,16 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
         return None if lease is None else lease.request
+
+    def release(self, lease_id: str) -> Request | None:
+        """End the lease unless a transfer is reading its blocks (that transfer frees them
+        when it settles); the caller frees the request's blocks."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.sending:
+                return None
+            del self._leases[lease_id]
+        return lease.request
 
     def pop_request(self, request: Request) -> bool:
         """End the lease of this request if it has one."""

@@ -13,9 +13,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
-from pdserve.common.request import Request, RequestStatus
+from pdserve.common.request import Request
 from pdserve.services.convert import params_from_proto
-from pdserve.services.prefill.leases import Lease, LeaseError, LeaseTable
+from pdserve.services.prefill.leases import Lease, LeaseBusy, LeaseError, LeaseTable
 from pdserve.services.worker import Worker
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -78,11 +78,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     def _drop(self, req: Request) -> None:
         """Engine thread: end a request whose caller left, wherever it is."""
-        if req.status == RequestStatus.PREFILLED:
-            self.leases.pop_request(req)
-            self.worker.loop.engine.free_request(req)
-        else:
-            self.worker.loop.engine.abort_request(req.request_id)
+        self.leases.pop_request(req)
+        self.worker.loop.engine.drop(req)
 
     def _handle(self, req: Request, lease_id: str, lease: Lease) -> kv_pb2.KvHandle:
         w = self.worker
@@ -114,6 +111,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             block_ids = self.leases.begin_send(lease_id, request.first_block)
         except LeaseError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
+        except LeaseBusy as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         transport = w.transport
@@ -147,6 +146,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def ReleaseKv(
         self, request: prefill_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.ReleaseKvResponse:
-        taken = self.leases.pop(request.lease_id)
+        taken = self.leases.release(request.lease_id)
         self._free(taken)
         return prefill_pb2.ReleaseKvResponse(released=taken is not None)

@@ -10,7 +10,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
-from pdserve.services.prefill.leases import LeaseError, LeaseTable
+from pdserve.services.prefill.leases import LeaseBusy, LeaseError, LeaseTable
 
 pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -36,8 +36,9 @@ def test_lease_release_on_pull_and_errors(tiny_model_dir):
     lease = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))  # 3 blocks
     assert engine.kv_cache.num_free_blocks == free - 3
     assert leases.begin_send(lease.lease_id, 1) == lease.request.block_ids[1:]
-    with pytest.raises(LeaseError, match="already being pulled"):
+    with pytest.raises(LeaseBusy, match="already being pulled"):
         leases.begin_send(lease.lease_id, 0)
+    assert leases.release(lease.lease_id) is None  # the transfer frees them, not a release
     assert leases.pop_expired() == [] and len(leases) == 1
     request = leases.pop(lease.lease_id)
     assert request is lease.request and leases.pop(lease.lease_id) is None
