@@ -99,3 +99,23 @@ def test_withdraw_from_the_queue(tiny_model_dir):
     assert waiting.cancelled() and not admission.pending
     admission.withdraw(a)
     assert engine.kv_cache.num_free_blocks == 4
+
+
+def test_admission_counts_pulls_against_max_num_seqs(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", threads=1,
+                     kv_cache_tokens=1024, max_num_seqs=1)
+    )  # fmt: skip
+    admission = Admission(engine, max_pending=4)
+    a = engine.new_prefilled_request(list(range(200, 240)), 5, GREEDY, "a")
+    b = engine.new_prefilled_request(list(range(300, 340)), 5, GREEDY, "b")
+    admission.submit(a)
+    waiting = admission.submit(b)  # blocks are free, but the one batch slot is taken
+    admission.start(a)
+    admission.admit()
+    assert not waiting.done()
+    admission.withdraw(a)  # aborts the running request
+    admission.admit()
+    assert waiting.result(0) == 0
+    admission.withdraw(b)
+    assert engine.kv_cache.num_free_blocks == 64
