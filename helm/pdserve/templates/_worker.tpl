@@ -1,0 +1,155 @@
+{{/* A worker pool's Deployment: (dict "root" . "component" "prefill"|"decode") */}}
+{{- define "pdserve.workerDeployment" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $role := .component -}}
+{{- $pool := index $v $role -}}
+{{- $e := $pool.engine -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "pdserve.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "pdserve.componentLabels" . | nindent 4 }}
+spec:
+  {{- if not $pool.autoscaling.enabled }}
+  replicas: {{ $pool.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.componentLabels" . | nindent 8 }}
+      {{- with $pool.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      automountServiceAccountToken: false
+      terminationGracePeriodSeconds: {{ include "pdserve.gracePeriod" $root }}
+      securityContext:
+        {{- toYaml $v.podSecurityContext | nindent 8 }}
+      {{- with $v.image.pullSecrets }}
+      imagePullSecrets:
+        {{- range . }}
+        - name: {{ . }}
+        {{- end }}
+      {{- end }}
+      {{- with $pool.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with (include "pdserve.affinity" .) }}{{ . | nindent 6 }}{{- end }}
+      {{- with (include "pdserve.modelInit" $root) }}{{ . | nindent 6 }}{{- end }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "pdserve.image" $root }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          args: [{{ $role | quote }}]
+          ports:
+            - name: grpc
+              containerPort: {{ $pool.port }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ $v.metrics.port }}
+              protocol: TCP
+          env:
+            # Listen on the pod IP: a prefill worker puts HOST:PORT into its KV handles and
+            # decode workers call it back there, so it must be an address other pods reach.
+            - name: PDSERVE_HOST
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            - name: PDSERVE_PORT
+              value: {{ $pool.port | quote }}
+            - name: PDSERVE_WORKER_ID
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.name
+            - name: PDSERVE_DEVICE
+              value: {{ $pool.device | quote }}
+            - name: PDSERVE_DTYPE
+              value: {{ $e.dtype | quote }}
+            - name: PDSERVE_KV_CACHE_GB
+              value: {{ $e.kvCacheGb | quote }}
+            - name: PDSERVE_BLOCK_SIZE
+              value: {{ $e.blockSize | quote }}
+            - name: PDSERVE_MAX_NUM_SEQS
+              value: {{ $e.maxNumSeqs | quote }}
+            - name: PDSERVE_MAX_NUM_BATCHED_TOKENS
+              value: {{ $e.maxNumBatchedTokens | quote }}
+            {{- if gt (int $e.maxModelLen) 0 }}
+            - name: PDSERVE_MAX_MODEL_LEN
+              value: {{ $e.maxModelLen | quote }}
+            {{- end }}
+            {{- if gt (int $e.threads) 0 }}
+            - name: PDSERVE_THREADS
+              value: {{ $e.threads | quote }}
+            {{- end }}
+            {{- if not $e.prefixCaching }}
+            - name: PDSERVE_NO_PREFIX_CACHING
+              value: "1"
+            {{- end }}
+            - name: PDSERVE_TRANSFER_TIMEOUT
+              value: {{ $pool.transferTimeout | quote }}
+            {{- if eq $role "prefill" }}
+            - name: PDSERVE_KV_LEASE
+              value: {{ $pool.kvLease | quote }}
+            {{- else }}
+            - name: PDSERVE_MAX_PENDING
+              value: {{ $pool.maxPending | quote }}
+            {{- end }}
+            {{- with $v.ucx.tls }}
+            - name: UCX_TLS
+              value: {{ . | quote }}
+            {{- end }}
+            {{- with $v.ucx.netDevices }}
+            - name: UCX_NET_DEVICES
+              value: {{ . | quote }}
+            {{- end }}
+            {{- with (include "pdserve.envMap" $v.ucx.env) }}{{ . | nindent 12 }}{{- end }}
+            {{- include "pdserve.commonEnv" $root | nindent 12 }}
+            - name: OTEL_SERVICE_NAME
+              value: pdserve-{{ $role }}
+            {{- with (include "pdserve.envMap" $pool.env) }}{{ . | nindent 12 }}{{- end }}
+          {{- include "pdserve.probes" $pool | nindent 10 }}
+          {{- include "pdserve.lifecycle" $root | nindent 10 }}
+          resources:
+            {{- $res := deepCopy $pool.resources }}
+            {{- $requests := $res.requests | default dict }}
+            {{- $limits := $res.limits | default dict }}
+            {{- if gt (int $pool.gpus) 0 }}
+            {{- $_ := set $requests "nvidia.com/gpu" $pool.gpus }}
+            {{- $_ := set $limits "nvidia.com/gpu" $pool.gpus }}
+            {{- end }}
+            {{- if $v.rdma.enabled }}
+            {{- $_ := set $requests $v.rdma.resourceName $v.rdma.count }}
+            {{- $_ := set $limits $v.rdma.resourceName $v.rdma.count }}
+            {{- end }}
+            {{- with $requests }}
+            requests:
+              {{- toYaml . | nindent 14 }}
+            {{- end }}
+            {{- with $limits }}
+            limits:
+              {{- toYaml . | nindent 14 }}
+            {{- end }}
+          securityContext:
+            {{- $sc := deepCopy $v.containerSecurityContext }}
+            {{- if $v.rdma.enabled }}
+            {{- $caps := $sc.capabilities | default dict }}
+            {{- $_ := set $caps "add" (list "IPC_LOCK") }}
+            {{- $_ := set $sc "capabilities" $caps }}
+            {{- end }}
+            {{- toYaml $sc | nindent 12 }}
+          volumeMounts:
+            {{- include "pdserve.volumeMounts" (dict "root" $root "shm" true) | nindent 12 }}
+      volumes:
+        {{- include "pdserve.volumes" (dict "root" $root "shm" true) | nindent 8 }}
+{{- end -}}

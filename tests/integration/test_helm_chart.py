@@ -1,0 +1,627 @@
+"""The helm chart (helm/pdserve) and the Dockerfile, checked offline: `helm lint --strict`,
+`helm template` with several value sets, every manifest against the Kubernetes schemas of the
+versions Chart.yaml claims, and the rendered YAML read back against what the services really
+accept (their argparse parsers), against each other (selectors, ports, RBAC) and against the
+schema's rejections. `make install` puts the real helm binary in .venv/bin."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError
+
+from pdserve.services.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdserve"
+VALUES_DIR = Path(__file__).parent / "helm_values"
+HELM = Path(sys.executable).parent / "helm"
+HADOLINT = Path(sys.executable).parent / "hadolint"
+RELEASE, NAMESPACE = "demo", "llm"
+FULLNAME = f"{RELEASE}-pdserve"
+VALUE_SETS = ["default", *sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))]
+WORKERS = ("prefill", "decode")
+# PDSERVE_* variables read by pdserve's code rather than by a CLI flag.
+NON_FLAG_VARS = {"PDSERVE_CACHE_DIR": "common/model_files.py", "PDSERVE_BUILD_DIR": "kernels"}
+# What downward-API fields stand for when the CLI parses a container's environment.
+FIELD_SAMPLES = {"status.podIP": "10.1.2.3", "metadata.name": "demo-pdserve-prefill-abc12"}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    assert HELM.is_file(), f"{HELM} is missing: `make install` (or `make tools`) downloads helm"
+    return subprocess.run(
+        [str(HELM), *args], capture_output=True, text=True, check=check, timeout=120
+    )
+
+
+def render(value_set: str = "default", *sets: str, kube: str | None = None) -> list[dict]:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    if value_set != "default":
+        args += ["-f", str(VALUES_DIR / f"{value_set}.yaml")]
+    for s in sets:
+        args += ["--set", s]
+    if kube:
+        args += ["--kube-version", kube]
+    out = helm(*args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+_cache: dict[str, list[dict]] = {}
+
+
+def manifests(value_set: str) -> list[dict]:
+    if value_set not in _cache:
+        _cache[value_set] = render(value_set)
+    return _cache[value_set]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    (doc,) = find(docs, kind, name)
+    return doc
+
+
+def deployment(docs: list[dict], component: str) -> dict:
+    return one(docs, "Deployment", f"{FULLNAME}-{component}")
+
+
+def container(dep: dict) -> dict:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def pod_labels(dep: dict) -> dict[str, str]:
+    return dep["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"unexpected selector form: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def env_of(c: dict) -> dict[str, str]:
+    out = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        else:
+            out[e["name"]] = FIELD_SAMPLES[e["valueFrom"]["fieldRef"]["fieldPath"]]
+    return out
+
+
+def kube_versions() -> tuple[str, str]:
+    """The oldest and newest minor versions Chart.yaml's kubeVersion claims."""
+    claim = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    low = re.search(r">=\s*1\.(\d+)", claim)
+    high = re.search(r"<\s*1\.(\d+)", claim)
+    assert low and high, f"kubeVersion {claim!r} should be a bounded range"
+    return f"1.{low.group(1)}.0", f"1.{int(high.group(1)) - 1}.0"
+
+
+def subcommand_parser(command: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return parser, sub.choices[command]
+
+
+def parse_container(c: dict, monkeypatch: pytest.MonkeyPatch):
+    """The container's command line as the real CLI parses it, with its PDSERVE_* env."""
+    env = env_of(c)
+    for name in [n for n in os.environ if n.startswith("PDSERVE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith("PDSERVE_"):
+            monkeypatch.setenv(name, value)
+    args = [str(a) for a in c["args"]]
+    parser, sub = subcommand_parser(args[0])
+    dests = {a.dest for a in sub._actions}
+    return parser.parse_args(args), dests, env
+
+
+# --- helm itself ------------------------------------------------------------------------------
+
+
+def test_helm_lint_strict() -> None:
+    result = helm("lint", "--strict", str(CHART), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for value_set in VALUE_SETS[1:]:
+        result = helm(
+            "lint", "--strict", str(CHART), "-f", str(VALUES_DIR / f"{value_set}.yaml"), check=False
+        )
+        assert result.returncode == 0, f"{value_set}: {result.stdout}{result.stderr}"
+
+
+def test_kube_version_outside_the_claim_is_refused() -> None:
+    low, _ = kube_versions()
+    older = f"1.{int(low.split('.')[1]) - 1}.0"
+    result = helm("template", RELEASE, str(CHART), "--kube-version", older, check=False)
+    assert result.returncode != 0 and "kubeVersion" in result.stderr
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_manifest_passes_kubernetes_validate_strict(value_set: str) -> None:
+    for version in kube_versions():
+        docs = render(value_set, kube=version)
+        assert len(docs) > 10
+        for doc in docs:
+            what = f"{value_set} k8s {version}: {doc['kind']}/{doc['metadata']['name']}"
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except SchemaNotFoundError:
+                # CRDs have no bundled schema; the chart's only CRD is checked below.
+                assert doc["kind"] == "ServiceMonitor", what
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{what}: {exc}")
+
+
+# --- scheduling and resources -----------------------------------------------------------------
+
+
+def test_pools_land_on_distinct_gpu_pools_by_default() -> None:
+    docs = manifests("default")
+    specs = {r: deployment(docs, r)["spec"]["template"]["spec"] for r in WORKERS}
+    assert specs["prefill"]["nodeSelector"] != specs["decode"]["nodeSelector"]
+    assert specs["prefill"]["nodeSelector"] and specs["decode"]["nodeSelector"]
+    assert specs["prefill"]["tolerations"] != specs["decode"]["tolerations"]
+    for role, spec in specs.items():
+        assert {"key": "pdserve.io/pool", "operator": "Equal", "value": role} in [
+            {k: t[k] for k in ("key", "operator", "value") if k in t} for t in spec["tolerations"]
+        ]
+        limits = container(deployment(docs, role))["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) == 1
+        assert env_of(container(deployment(docs, role)))["PDSERVE_DEVICE"] == "cuda"
+        # Anti-affinity within the pool: its own pods, spread over nodes.
+        term = spec["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        selector = term[0]["podAffinityTerm"]["labelSelector"]
+        assert selects(selector, pod_labels(deployment(docs, role)))
+        other = "decode" if role == "prefill" else "prefill"
+        assert not selects(selector, pod_labels(deployment(docs, other)))
+    assert "nvidia.com/gpu" not in str(deployment(docs, "coordinator"))
+
+
+def test_cpu_only_requests_no_gpu() -> None:
+    docs = manifests("cpu-only")
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(docs)
+    for role in WORKERS:
+        c = container(deployment(docs, role))
+        assert env_of(c)["PDSERVE_DEVICE"] == "cpu"
+        assert env_of(c)["PDSERVE_THREADS"] == "4"
+        assert "nodeSelector" not in deployment(docs, role)["spec"]["template"]["spec"]
+
+
+def test_replicas_and_hard_anti_affinity() -> None:
+    docs = manifests("scale-3p-5d")
+    assert deployment(docs, "prefill")["spec"]["replicas"] == 3
+    assert deployment(docs, "decode")["spec"]["replicas"] == 5
+    anti = deployment(docs, "prefill")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+
+
+def test_autoscaling_targets_each_deployment_and_drops_fixed_replicas() -> None:
+    docs = manifests("autoscaling")
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in find(docs, "HorizontalPodAutoscaler")}
+    assert set(hpas) == {f"{FULLNAME}-{c}" for c in ("coordinator", *WORKERS)}
+    for component in ("coordinator", *WORKERS):
+        assert "replicas" not in deployment(docs, component)["spec"]
+    assert hpas[f"{FULLNAME}-decode"]["spec"]["maxReplicas"] == 10
+    assert not find(manifests("default"), "HorizontalPodAutoscaler")
+
+
+def test_pdbs_select_their_pools() -> None:
+    docs = manifests("default")
+    for component in ("coordinator", *WORKERS):
+        pdb = one(docs, "PodDisruptionBudget", f"{FULLNAME}-{component}")
+        for other in ("coordinator", *WORKERS):
+            matched = selects(pdb["spec"]["selector"], pod_labels(deployment(docs, other)))
+            assert matched == (other == component)
+
+
+def test_rdma_ucx_and_shared_memory() -> None:
+    docs = manifests("everything")
+    for role in WORKERS:
+        dep = deployment(docs, role)
+        c = container(dep)
+        assert int(c["resources"]["limits"]["rdma/hca_shared_devices_a"]) == 1
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        env = env_of(c)
+        assert env["UCX_TLS"] == "rc,self,tcp,cuda_copy"
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+        assert env["UCX_RNDV_THRESH"] == "8192"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+        shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    default = container(deployment(manifests("default"), "prefill"))
+    assert not any(n.startswith(("UCX_", "OTEL_EXPORTER")) for n in env_of(default))
+
+
+# --- the services' real flags ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_env_ports_and_probes_match_the_cli(value_set: str, monkeypatch) -> None:
+    docs = manifests(value_set)
+    for component in ("coordinator", *WORKERS):
+        c = container(deployment(docs, component))
+        assert c["args"][0] == component
+        args, dests, env = parse_container(c, monkeypatch)
+        for name, value in env.items():
+            if not name.startswith("PDSERVE_"):
+                continue
+            if name in NON_FLAG_VARS:
+                where = ROOT / NON_FLAG_VARS[name]
+                files = [where] if where.is_file() else list(where.rglob("*.py"))
+                assert any(name in f.read_text() for f in files), f"{name} is read nowhere"
+                continue
+            dest = name.removeprefix("PDSERVE_").lower()
+            assert dest in dests, f"{component}: {name} is no flag of `pdserve {component}`"
+            parsed = getattr(args, dest)
+            if isinstance(parsed, bool):
+                assert parsed is True, f"{component}: {name}={value!r}"
+            elif isinstance(parsed, int | float):
+                assert parsed == float(value), f"{component}: {name}={value!r} -> {parsed}"
+            else:
+                assert parsed == value, f"{component}: {name}={value!r} -> {parsed!r}"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == args.port
+        assert ports["metrics"] == args.metrics_port != 0
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == args.port, f"{component} {probe}"
+        grace = deployment(docs, component)["spec"]["template"]["spec"][
+            "terminationGracePeriodSeconds"
+        ]
+        preStop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert grace > preStop + args.drain_timeout
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    workers = {r: parse_container(container(deployment(docs, r)), monkeypatch) for r in WORKERS}
+    # Workers listen on their pod IP: the address a prefill worker hands decode in its KV handles.
+    for args, _, _ in workers.values():
+        assert args.host == FIELD_SAMPLES["status.podIP"]
+
+
+def test_model_from_a_pvc_reaches_every_service(monkeypatch) -> None:
+    docs = manifests("model-pvc")
+    for component in ("coordinator", *WORKERS):
+        dep = deployment(docs, component)
+        args, _, _ = parse_container(container(dep), monkeypatch)
+        assert args.model == "/models/llama"
+        assert args.max_model_len == 8192  # the coordinator's comes from its args
+        (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        (mount,) = [m for m in container(dep)["volumeMounts"] if m["name"] == "model"]
+        assert mount["subPath"] == "Llama-3.1-8B-Instruct" and mount["readOnly"] is True
+    args, _, _ = parse_container(container(deployment(docs, "prefill")), monkeypatch)
+    assert args.no_prefix_caching is True and args.dtype == "bfloat16"
+
+
+def test_model_image_is_copied_by_an_init_container() -> None:
+    spec = deployment(manifests("everything"), "decode")["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["image"] == "registry.example.com/models/qwen2-7b:1"
+    assert init["command"] == ["cp", "-R", "/model/.", "/model-dest/"]
+    assert env_of(spec["containers"][0])["PDSERVE_MODEL"] == "/models"
+
+
+def test_bundled_model_cache_is_writable_unless_baked() -> None:
+    for value_set, expected in [("default", "/var/cache/pdserve"), ("everything", None)]:
+        c = container(deployment(manifests(value_set), "prefill"))
+        env = env_of(c)
+        if expected:
+            assert env["PDSERVE_CACHE_DIR"] == expected
+            assert {"name": "cache", "mountPath": expected} in c["volumeMounts"]
+        assert env["PDSERVE_BUILD_DIR"].startswith("/var/cache/pdserve/")
+    baked = render("default", "image.modelBaked=true")
+    assert env_of(container(deployment(baked, "decode")))["PDSERVE_CACHE_DIR"] == (
+        "/opt/pdserve/cache"
+    )
+
+
+# --- discovery, services, RBAC, network policy -------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", ["default", "scale-3p-5d"])
+def test_coordinator_points_at_the_headless_services(value_set: str, monkeypatch) -> None:
+    docs = manifests(value_set)
+    args, _, _ = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
+    for role, addresses in [("prefill", args.prefill_workers), ("decode", args.decode_workers)]:
+        svc = one(docs, "Service", f"{FULLNAME}-{role}-headless")
+        assert svc["spec"]["clusterIP"] == "None"
+        host, port = addresses.rsplit(":", 1)
+        assert host == f"{FULLNAME}-{role}-headless.{NAMESPACE}.svc.cluster.local"
+        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+        assert int(port) == grpc_port["port"]
+        for component in ("coordinator", *WORKERS):
+            matched = selects(
+                {"matchLabels": svc["spec"]["selector"]}, pod_labels(deployment(docs, component))
+            )
+            assert matched == (component == role)
+    coord = one(docs, "Service", FULLNAME)
+    assert selects(
+        {"matchLabels": coord["spec"]["selector"]}, pod_labels(deployment(docs, "coordinator"))
+    )
+    assert [p["name"] for p in coord["spec"]["ports"]] == ["grpc", "metrics"]
+
+
+def test_services_target_named_container_ports() -> None:
+    docs = manifests("everything")
+    for svc in find(docs, "Service"):
+        component = svc["metadata"]["labels"]["app.kubernetes.io/component"]
+        ports = {p["name"] for p in container(deployment(docs, component))["ports"]}
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports, f"{svc['metadata']['name']}: {p}"
+    coord = one(docs, "Service", FULLNAME)
+    assert "http" in [p["name"] for p in coord["spec"]["ports"]]
+
+
+def test_rbac_grants_only_endpointslice_reads() -> None:
+    docs = manifests("default")
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    (role,) = find(docs, "Role")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    (binding,) = find(docs, "RoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    (sa,) = find(docs, "ServiceAccount")
+    coord_spec = deployment(docs, "coordinator")["spec"]["template"]["spec"]
+    assert coord_spec["serviceAccountName"] == sa["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    for role_name in WORKERS:  # workers need no API access at all
+        spec = deployment(docs, role_name)["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("value_set", ["default", "everything"])
+def test_network_policies_match_the_pods(value_set: str) -> None:
+    docs = manifests(value_set)
+    labels = {c: pod_labels(deployment(docs, c)) for c in ("coordinator", *WORKERS)}
+    policies = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}
+    assert set(policies) == {f"{FULLNAME}-{c}" for c in labels}
+    test_pod = find(docs, "Pod")[0]["metadata"]["labels"]
+
+    def sources(rule: dict) -> set[str]:
+        """The chart components a rule admits ('*' for any peer)."""
+        if "from" not in rule:
+            return {"*"}
+        out = set()
+        for peer in rule["from"]:
+            if "podSelector" in peer and "namespaceSelector" not in peer:
+                out |= {c for c, lab in labels.items() if selects(peer["podSelector"], lab)}
+                if selects(peer["podSelector"], test_pod):
+                    out.add("test")
+            else:
+                out.add("external")
+        return out
+
+    for component in labels:
+        policy = policies[f"{FULLNAME}-{component}"]["spec"]
+        for other, other_labels in labels.items():
+            assert selects(policy["podSelector"], other_labels) == (other == component)
+        assert policy["policyTypes"] == ["Ingress"]
+        ports = {p["name"] for p in container(deployment(docs, component))["ports"]}
+        grpc_from: set[str] = set()
+        all_ports_from: set[str] = set()
+        for rule in policy["ingress"]:
+            named = {p["port"] for p in rule.get("ports", [])}
+            assert named <= ports, f"{component}: {named - ports} is no container port"
+            if not named:
+                all_ports_from |= sources(rule)
+            elif "grpc" in named:
+                grpc_from |= sources(rule)
+        if component == "prefill":
+            assert grpc_from == {"coordinator"} and all_ports_from == {"decode"}
+        elif component == "decode":
+            assert grpc_from == {"coordinator"} and all_ports_from == {"prefill"}
+        else:
+            assert not all_ports_from
+            expected = {"*"} if value_set == "default" else {"external", "test"}
+            assert grpc_from == expected
+
+
+# --- observability ---------------------------------------------------------------------------
+
+
+def test_service_monitor_selects_every_metrics_service() -> None:
+    docs = manifests("everything")
+    (sm,) = find(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    matched = [
+        s for s in find(docs, "Service") if selects(sm["spec"]["selector"], s["metadata"]["labels"])
+    ]
+    assert len(matched) == 3
+    for svc in matched:
+        assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
+    assert not find(manifests("default"), "ServiceMonitor")
+
+
+def test_dashboard_uses_only_metrics_the_workers_export() -> None:
+    (cm,) = find(manifests("default"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["pdserve.json"])
+    exported = set(re.findall(r'"(pdserve_[a-z_]+)"', (ROOT / "services/metrics.py").read_text()))
+    assert len(exported) >= 10
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"pdserve_[a-z_]+", target["expr"]))
+    # prometheus_client adds _total to counters; histograms expose _bucket, _sum, _count.
+    used = {re.sub(r"_(bucket|sum|count|total)$", "", m) for m in used}
+    exported = {re.sub(r"_total$", "", m) for m in exported}
+    assert used and used <= exported, used - exported
+    assert not find(render("default", "metrics.dashboard.enabled=false"), "ConfigMap")
+
+
+# --- security, the test hook ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_security_contexts(value_set: str) -> None:
+    for doc in manifests(value_set):
+        if doc["kind"] not in ("Deployment", "Pod"):
+            continue
+        spec = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert "privileged" not in sc
+
+
+def test_helm_test_hook_sends_one_generate() -> None:
+    docs = manifests("default")
+    (pod,) = find(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    env = env_of(c)
+    assert env["ADDRESS"] == f"{FULLNAME}:50051"
+    assert env["EXPECT"] == "Paris"
+    script = c["args"][0]
+    line = next(ln for ln in script.splitlines() if "pdserve complete" in ln)
+    command = line.split("$(", 1)[1].rsplit(")", 1)[0]
+    command = re.sub(r"\$(\w+)", lambda m: env[m.group(1)], command)
+    argv = shlex.split(command)
+    assert argv[0] == "pdserve"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "complete" and args.chat
+    assert args.address == env["ADDRESS"] and args.max_tokens == 32
+    assert args.prompt == env["PROMPT"]
+    assert not find(render("default", "helmTest.enabled=false"), "Pod")
+
+
+@pytest.mark.parametrize(
+    ("answer", "passes"),
+    [("The capital of France is Paris.", True), ("I do not know.", False), ("  ", False)],
+)
+def test_helm_test_hook_checks_the_answer(answer: str, passes: bool, tmp_path: Path) -> None:
+    """The hook's shell script, run with a stand-in `pdserve` that prints `answer`."""
+    (c,) = find(manifests("default"), "Pod")[0]["spec"]["containers"]
+    stub = tmp_path / "pdserve"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$STUB_ANSWER"\n')
+    stub.chmod(0o755)
+    env = {**env_of(c), "STUB_ANSWER": answer, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    result = subprocess.run(
+        [*c["command"], *c["args"]], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert (result.returncode == 0) == passes, result.stdout + result.stderr
+    assert ("OK" in result.stdout) == passes
+
+
+# --- values: schema and README --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("prefill.replicas=three", "at '/prefill/replicas': got string, want integer"),
+        ("prefill.replica=3", "at '/prefill': additional properties 'replica' not allowed"),
+        ("decode.engine.kvCacheGB=4", "additional properties 'kvCacheGB' not allowed"),
+        ("surprise=1", "additional properties 'surprise' not allowed"),
+        ("model.source=s3", "at '/model/source'"),
+        ("model.source=pvc", "at '/model/pvc/claimName'"),
+        ("coordinator.port=70000", "at '/coordinator/port'"),
+        ("decode.podAntiAffinity=always", "at '/decode/podAntiAffinity'"),
+        ("ucx.env.NOT_UCX=1", "'NOT_UCX' does not match pattern '^UCX_[A-Z0-9_]+$'"),
+    ],
+)
+def test_schema_rejects_bad_values(override: str, message: str) -> None:
+    result = helm("template", RELEASE, str(CHART), "--set", override, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def test_schema_closes_every_object() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    open_objects = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            fixed = "properties" in node
+            if fixed and node.get("additionalProperties") is not False:
+                open_objects.append(path)
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}/{i}")
+
+    walk({k: v for k, v in schema.items() if k != "allOf"}, "")
+    assert not open_objects
+
+
+def leaf_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [p for k, v in node.items() for p in leaf_paths(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")]
+
+
+def test_readme_documents_every_value() -> None:
+    readme = (CHART / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = [p for p in leaf_paths(values) if f"`{p}`" not in readme]
+    assert not missing, f"README.md lacks: {missing}"
+
+
+# --- the image -------------------------------------------------------------------------------
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    result = subprocess.run(
+        [str(HADOLINT), str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_runs_pdserve_as_non_root() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = [ln for ln in text.splitlines() if ln.startswith("FROM ")]
+    assert len(stages) >= 2 and stages[0].startswith("FROM ${BASE} AS ")
+    assert re.search(r"^ARG BASE=\S+", text, re.M)
+    final = text[text.rindex("\nFROM ") :]
+    (user,) = re.findall(r"^USER (\S+)", final, re.M)
+    assert user.split(":")[0] not in ("root", "0")
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (.+)$", final, re.M)
+    assert json.loads(entrypoint) == ["pdserve"]
+    (cmd,) = re.findall(r"^CMD (.+)$", final, re.M)
+    args = build_parser().parse_args(json.loads(cmd))
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    # The chart's commands and the test hook's run on this entrypoint.
+    assert "--build-arg BASE=nvidia/cuda:" in text and "BAKE_MODEL" in text
+    ignored = (ROOT / ".dockerignore").read_text()
+    for path in ("pyproject.toml", "README.md", "protos/", "common/", "kernels/", "services/"):
+        assert f"!{path}" in ignored
