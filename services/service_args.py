@@ -46,6 +46,12 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         help="name in KV handles and metrics (default: ROLE-HOST-PORT)",
     )
     g.add_argument(
+        "--advertise-address",
+        default=env("advertise_address"),
+        help="host:port other workers call this one at (put in KV handles); default: "
+        "--host:port, or this host's address when --host is 0.0.0.0",
+    )
+    g.add_argument(
         "--kv-transport",
         default=env("kv_transport", "ucx"),
         choices=["ucx"],

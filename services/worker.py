@@ -54,7 +54,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     worker = Worker(
         role=role,
         worker_id=worker_id,
-        address=process.address,
+        address=advertised_address(args.advertise_address, args.host, process.port),
         loop=loop,
         transport=transport,
         metrics=WorkerMetrics(engine, role, worker_id, model),
@@ -80,6 +80,15 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         names, on_ready=lambda: print(json.dumps(ready), flush=True), grace_s=args.drain_timeout
     )
     return 0
+
+
+def advertised_address(flag: str | None, host: str, port: int) -> str:
+    """Where peers reach this worker: a wildcard listen address is no address to call."""
+    if flag:
+        return flag
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
 
 
 def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namespace) -> list[str]:

@@ -10,7 +10,7 @@ import os
 import sys
 
 from pdserve.services.coordinator.router import POLICIES, WorkerPool
-from pdserve.services.engine_args import env
+from pdserve.services.engine_args import env, int_env
 from pdserve.services.service_args import add_service_args
 
 
@@ -47,7 +47,7 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-model-len",
         type=int,
-        default=None,
+        default=int_env("max_model_len"),
         help="longest prompt + output (default: the model's limit)",
     )
 
