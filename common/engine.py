@@ -184,6 +184,7 @@ class LLMEngine:
     def start_prefilled(self, request: Request) -> None:
         """The pull filled the blocks: register them and join the running batch."""
         request.num_computed_tokens = request.num_prompt_tokens
+        request.scheduled_time = time.monotonic()
         self.kv_cache.cache_full_blocks(request)
         self.scheduler.add_running(request)
 

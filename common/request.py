@@ -80,6 +80,7 @@ class Request:
     stop_checker: StopChecker | None = None
     output_text: str = ""
     logprobs: list = field(default_factory=list)
+    scheduled_time: float | None = None  # first admitted into a batch (monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
 

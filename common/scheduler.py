@@ -12,6 +12,7 @@ full blocks usually survive in the prefix cache, so recomputation is often a cac
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -106,6 +107,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
+                request.scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += num_cached

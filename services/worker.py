@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.common.kv_transfer import KvTransport, create_transport
+from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
 from pdserve.services.grpc_server import ServiceProcess
@@ -42,6 +43,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 
 
 async def _serve(args: argparse.Namespace, role: str) -> int:
+    setup_tracing(f"pdserve-{role}")
     engine = load_engine(args)
     process = ServiceProcess(args.host, args.port, args.metrics_port)
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
@@ -67,6 +69,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         loop.stop()
         if transport is not None:
             transport.close()
+        shutdown_tracing()
 
     process.on_stop(shutdown)
     ready = {

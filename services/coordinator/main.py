@@ -78,11 +78,13 @@ async def _serve(
 
     from pdserve.common.model_files import resolve_model
     from pdserve.common.prompts import max_model_len
+    from pdserve.common.tracing import setup_tracing, shutdown_tracing
     from pdserve.services.coordinator.servicer import CoordinatorServicer
     from pdserve.services.frontend import Frontend
     from pdserve.services.grpc_server import ServiceProcess
     from pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
 
+    setup_tracing("pdserve-coordinator")
     model_dir = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     frontend = Frontend(
@@ -110,6 +112,7 @@ async def _serve(
     async def close_pools() -> None:
         for pool in pools.values():
             await pool.close()
+        shutdown_tracing()
 
     process.on_stop(close_pools)
     ready = {

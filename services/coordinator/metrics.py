@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
 LABELS = ("model", "role", "worker")
@@ -36,10 +37,12 @@ FAILURE = Counter("pdserve_request_failure", "Requests that ended in an error, b
 
 
 class RequestTimer:
-    """Follows one request through the coordinator and records it when it ends."""
+    """Follows one request through the coordinator and records it when it ends: in the
+    metrics, and on the request's root span (which it ends)."""
 
-    def __init__(self, labels: dict[str, str]) -> None:
+    def __init__(self, labels: dict[str, str], span: Span | None = None) -> None:
         self.labels = labels
+        self.span = span
         self.start = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
@@ -59,15 +62,32 @@ class RequestTimer:
         self.last = now
         self.tokens += n
 
-    def finished(self, reason: str, prompt_tokens: int) -> None:
+    def finished(self, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         now = time.monotonic()
         E2E.labels(**self.labels).observe(now - self.start)
+        tpot = None
         if self.first is not None and self.last is not None and self.tokens > 1:
-            TPOT.labels(**self.labels).observe((self.last - self.first) / (self.tokens - 1))
+            tpot = (self.last - self.first) / (self.tokens - 1)
+            TPOT.labels(**self.labels).observe(tpot)
         PROMPT_TOKENS.labels(**self.labels).inc(prompt_tokens)
         GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
         SUCCESS.labels(**self.labels, finished_reason=reason).inc()
+        if self.span is not None:
+            self.span.set_attributes({
+                "gen_ai.usage.input_tokens": prompt_tokens,
+                "gen_ai.usage.output_tokens": self.tokens,
+                "gen_ai.response.finish_reasons": [reason],
+                "pdserve.cached_tokens": cached_tokens,
+                "pdserve.ttft_s": (self.first - self.start) if self.first is not None else -1.0,
+                "pdserve.tpot_s": tpot if tpot is not None else -1.0,
+            })  # fmt: skip
+            self.span.end()
 
-    def failed(self, cause: str) -> None:
+    def failed(self, cause: str, message: str = "") -> None:
         GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
         FAILURE.labels(**self.labels, cause=cause).inc()
+        if self.span is not None:
+            self.span.set_attribute("gen_ai.usage.output_tokens", self.tokens)
+            self.span.set_attribute("error.type", cause)
+            self.span.set_status(Status(StatusCode.ERROR, message or cause))
+            self.span.end()

@@ -15,8 +15,10 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
 from pdserve.services.convert import params_to_proto
 from pdserve.services.coordinator.metrics import RequestTimer
 from pdserve.services.coordinator.router import NoWorkerError, WorkerEndpoint, WorkerPool
@@ -36,6 +38,20 @@ class WorkerFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def request_attributes(request: generate_pb2.GenerateRequest, model: str) -> dict:
+    """The OpenTelemetry GenAI attributes known when a request arrives."""
+    sampling = request.sampling
+    attributes: dict = {
+        "gen_ai.operation.name": "chat" if request.messages else "text_completion",
+        "gen_ai.request.model": model,
+    }
+    if sampling.HasField("max_tokens"):
+        attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
+    if sampling.HasField("temperature"):
+        attributes["gen_ai.request.temperature"] = sampling.temperature
+    return attributes
 
 
 def worker_request_id(request_id: str) -> str:
@@ -70,38 +86,50 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        timer = RequestTimer(self.metric_labels)
+        span = tracer().start_span(
+            "pdserve.generate",
+            context=context_from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes=request_attributes(request, self.metric_labels["model"]),
+        )
+        timer = RequestTimer(self.metric_labels, span)
         try:
             parsed = self.frontend.parse(request)
         except InvalidRequestError as e:
-            timer.failed("invalid_argument")
+            timer.failed("invalid_argument", str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        span.set_attribute("pdserve.request_id", parsed.request_id)
         path = self._colocated if self.colocated is not None else self._disaggregated
         finished = False
         try:
-            async for response in path(parsed, context.time_remaining()):
+            async for response in path(parsed, context.time_remaining(), span):
                 timer.on_tokens(len(response.token_ids))
                 if response.finish_reason:
                     finished = True
-                    timer.finished(response.finish_reason, len(parsed.token_ids))
+                    timer.finished(
+                        response.finish_reason,
+                        len(parsed.token_ids),
+                        response.usage.cached_tokens,
+                    )
                 yield response
         except WorkerFailed as e:
             finished = True
-            timer.failed(e.code.name.lower())
+            timer.failed(e.code.name.lower(), e.message)
             await context.abort(e.code, e.message)
         except NoWorkerError as e:
             finished = True
-            timer.failed("no_worker")
+            timer.failed("no_worker", str(e))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             if not finished:  # the client left (cancelled, deadline) or the call broke
                 timer.failed("cancelled")
 
     async def _colocated(
-        self, parsed: ParsedRequest, timeout: float | None
+        self, parsed: ParsedRequest, timeout: float | None, span: Span
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         assert self.colocated is not None
         worker = self.colocated.pick()
+        span.set_attribute("pdserve.colocated_worker", worker.address)
         with self.colocated.track(worker):
             call = worker.stub.Generate(
                 generate_pb2.GenerateRequest(
@@ -110,6 +138,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
                     sampling=params_to_proto(parsed.params),
                 ),
                 timeout=timeout,
+                metadata=metadata_for_call(span),
             )
             try:
                 async for response in call:
@@ -121,7 +150,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
                 call.cancel()
 
     async def _disaggregated(
-        self, parsed: ParsedRequest, timeout: float | None
+        self, parsed: ParsedRequest, timeout: float | None, span: Span
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         assert self.prefill is not None and self.decode is not None
         rid = parsed.request_id
@@ -134,12 +163,14 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
             return None if deadline is None else max(0.0, deadline - loop.time())
 
         worker = self.prefill.pick()
+        span.set_attribute("pdserve.prefill_worker", worker.address)
         with self.prefill.track(worker):
             call = worker.stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=wid, prompt_token_ids=parsed.token_ids, sampling=sampling
                 ),
                 timeout=remaining(),
+                metadata=metadata_for_call(span),
             )
             try:
                 prefilled = await call
@@ -162,6 +193,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             yield first
             decoder = self.decode.pick()
+            span.set_attribute("pdserve.decode_worker", decoder.address)
             completion = 1
             with self.decode.track(decoder):
                 call = decoder.stub.Decode(
@@ -173,6 +205,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
                         kv_handle=handle,
                     ),
                     timeout=remaining(),
+                    metadata=metadata_for_call(span),
                 )
                 try:
                     async for step in call:

@@ -13,10 +13,13 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
+from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
 from pdserve.services.convert import params_from_proto
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
 from pdserve.services.worker import Worker
@@ -42,6 +45,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        span = tracer().start_span(
+            "pdserve.decode",
+            context=context_from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={"pdserve.worker": self.worker.worker_id},
+        )
+        try:
+            async for response in self._decode(request, context, span):
+                yield response
+        except BaseException as e:
+            span.set_status(Status(StatusCode.ERROR, str(e) or type(e).__name__))
+            raise
+        finally:
+            span.end()
+
+    async def _decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         loop = self.worker.loop
         engine = loop.engine
@@ -74,7 +95,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     "prefill lease ran out; retry later or elsewhere",
                 )
             try:
-                pulled = await self._pull(req, request.kv_handle, num_cached)
+                pulled = await self._pull(req, request.kv_handle, num_cached, span)
             except PullFailed as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             await loop.call(lambda: self.admission.start(req))
@@ -90,6 +111,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             loop.close_stream(rid)
             if not finished:  # refused, failed, or the caller left: give everything back
                 loop.submit(lambda: self.admission.withdraw(req))
+            span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
+            record_phases(span, req)
 
     def _check(self, request: decode_pb2.DecodeRequest) -> None:
         if not request.request_id:
@@ -133,7 +156,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"{h.num_tokens} tokens need {need} blocks, got {len(h.block_ids)}",
             )
 
-    async def _pull(self, req: Request, handle: kv_pb2.KvHandle, num_cached: int) -> int:
+    async def _pull(
+        self, req: Request, handle: kv_pb2.KvHandle, num_cached: int, span: Span
+    ) -> int:
         """Fill the request's blocks after the `num_cached` ones from the prefill worker.
         Returns the number of blocks pulled."""
         w = self.worker
@@ -150,6 +175,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 logger.warning("release of %s failed: %s", handle.lease_id, e.details())
             return 0
         dst = req.block_ids[num_cached:total]
+        transfer = tracer().start_span(
+            "pdserve.kv_transfer",
+            context=trace.set_span_in_context(span),
+            attributes={"pdserve.kv.transport": transport.kind, "pdserve.kv.from": handle.worker_id,
+                        "pdserve.kv.cached_blocks": num_cached},
+        )  # fmt: skip
         tag = transport.new_tag()
         timeout = w.transfer_timeout_s
         received = transport.post_receive(tag, dst, timeout)
@@ -161,6 +192,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 tag=tag,
             ),
             timeout=timeout,
+            metadata=metadata_for_call(transfer),
         )
         try:
             await call
@@ -171,8 +203,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await settled(received)  # only then may the caller free the blocks
             w.metrics.transfer_failed(transport.kind, "receive")
             if isinstance(e, asyncio.CancelledError):
+                transfer.end()
                 raise
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
+            transfer.set_status(Status(StatusCode.ERROR, str(why)))
+            transfer.end()
             raise PullFailed(
                 f"KV pull from prefill worker {handle.worker_id} ({handle.grpc_address}) "
                 f"failed: {why}"
@@ -180,6 +215,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         w.metrics.transfer(
             transport.kind, "receive", result.num_blocks, result.num_bytes, result.seconds
         )
+        transfer.set_attributes(
+            {"pdserve.kv.blocks": result.num_blocks, "pdserve.kv.bytes": result.num_bytes}
+        )
+        transfer.end()
         return result.num_blocks
 
     def _prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:

@@ -10,10 +10,12 @@ import logging
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry.trace import SpanKind
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
+from pdserve.common.tracing import context_from_metadata, record_phases, tracer
 from pdserve.services.convert import params_from_proto
 from pdserve.services.prefill.leases import Lease, LeaseBusy, LeaseError, LeaseTable
 from pdserve.services.worker import Worker
@@ -42,6 +44,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        with tracer().start_as_current_span(
+            "pdserve.prefill",
+            context=context_from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={"pdserve.worker": self.worker.worker_id},
+        ) as span:
+            response, req = await self._prefill(request, context)
+            if req is not None:
+                span.set_attributes({
+                    "gen_ai.usage.input_tokens": req.num_prompt_tokens,
+                    "pdserve.cached_tokens": req.num_cached_tokens,
+                    "pdserve.kv_blocks": len(response.kv_handle.block_ids),
+                })  # fmt: skip
+                record_phases(span, req)
+            return response
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[prefill_pb2.PrefillResponse, Request | None]:
         loop = self.worker.loop
         try:
             if not request.request_id:
@@ -70,7 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if final.finish_reason is None:  # PREFILLED: hand the blocks off
                 lease = self.leases.grant(req)
                 response.kv_handle.CopyFrom(self._handle(req, lease.lease_id, lease))
-            return response
+            return response, req
         except asyncio.CancelledError:
             # The caller left (cancelled, deadline): no one will pull these blocks.
             loop.submit(lambda: self._drop(req))
@@ -100,6 +121,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
 
     async def TransferKv(
+        self, request: prefill_pb2.TransferKvRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.TransferKvResponse:
+        with tracer().start_as_current_span(
+            "pdserve.kv_send",
+            context=context_from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+        ) as span:
+            response = await self._transfer(request, context)
+            span.set_attributes({
+                "pdserve.kv.blocks": response.num_blocks,
+                "pdserve.kv.bytes": response.num_bytes,
+                "pdserve.kv.transport": self.worker.transport.kind,  # type: ignore[union-attr]
+            })  # fmt: skip
+            return response
+
+    async def _transfer(
         self, request: prefill_pb2.TransferKvRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.TransferKvResponse:
         w = self.worker
