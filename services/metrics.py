@@ -4,12 +4,14 @@ fed on the request's path (KV transfers on both sides of a handoff)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from pdserve.common.engine import LLMEngine
+    from pdserve.common.request import Request
 
 LABELS = ("model", "role", "worker")
 # From a few blocks over shared memory to thousands over TCP.
@@ -46,6 +48,22 @@ KV_TRANSFER_SECONDS = Histogram(
     TRANSFER_LABELS,
     buckets=TRANSFER_BUCKETS,
 )
+# Per-request phase times; buckets from GPU milliseconds to CPU minutes.
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                 80.0, 160.0, 320.0, 640.0)  # fmt: skip
+QUEUE_TIME = Histogram(
+    "pdserve_request_queue_time_seconds",
+    "Arrival at the worker to the first batch it runs in (on decode: admission and KV pull)",
+    LABELS, buckets=PHASE_BUCKETS,
+)  # fmt: skip
+PREFILL_TIME = Histogram(
+    "pdserve_request_prefill_time_seconds", "First batch to the first token (prefill workers)",
+    LABELS, buckets=PHASE_BUCKETS,
+)  # fmt: skip
+DECODE_TIME = Histogram(
+    "pdserve_request_decode_time_seconds", "Joining the batch to the last token (decode workers)",
+    LABELS, buckets=PHASE_BUCKETS,
+)  # fmt: skip
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures",
     "KV transfers that failed, were cancelled or timed out",
@@ -71,6 +89,15 @@ class WorkerMetrics:
         HELD.labels(**labels).set_function(lambda: self.held)
         PREFIX_QUERIES.labels(**labels).set_function(lambda: sched.stats.prefix_cache_queries)
         PREFIX_HITS.labels(**labels).set_function(lambda: sched.stats.prefix_cache_hits)
+
+    def request_done(self, request: Request) -> None:
+        """A request's phases on this worker, once it is done here."""
+        if request.scheduled_time is None:
+            return
+        end = request.finish_time or time.monotonic()
+        QUEUE_TIME.labels(**self.labels).observe(request.scheduled_time - request.arrival_time)
+        phase = PREFILL_TIME if self.labels["role"] == "prefill" else DECODE_TIME
+        phase.labels(**self.labels).observe(end - request.scheduled_time)
 
     def transfer(self, transport: str, direction: str, blocks: int, nbytes: int, s: float) -> None:
         labels = {**self.labels, "transport": transport, "direction": direction}

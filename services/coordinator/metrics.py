@@ -28,6 +28,12 @@ TPOT = Histogram("pdserve_request_time_per_output_token_seconds",
                  buckets=ITL_BUCKETS)  # fmt: skip
 E2E = Histogram("pdserve_e2e_request_latency_seconds", "Request arrival to its last response",
                 LABELS, buckets=E2E_BUCKETS)  # fmt: skip
+KV_HANDOFF = Histogram(
+    "pdserve_kv_handoff_seconds",
+    "First token sent to the client -> the request running on decode (admission, KV pull)",
+    LABELS,
+    buckets=ITL_BUCKETS,
+)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", LABELS)
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated", LABELS)
 SUCCESS = Counter("pdserve_request_success", "Finished requests, by finish reason",
@@ -61,6 +67,11 @@ class RequestTimer:
                 ITL.labels(**self.labels).observe(gap)
         self.last = now
         self.tokens += n
+
+    def handed_off(self) -> None:
+        """Decode reports the request running (its blocks pulled)."""
+        if self.first is not None:
+            KV_HANDOFF.labels(**self.labels).observe(time.monotonic() - self.first)
 
     def finished(self, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         now = time.monotonic()

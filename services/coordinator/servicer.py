@@ -15,7 +15,7 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
@@ -102,7 +102,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
         path = self._colocated if self.colocated is not None else self._disaggregated
         finished = False
         try:
-            async for response in path(parsed, context.time_remaining(), span):
+            async for response in path(parsed, context.time_remaining(), timer):
                 timer.on_tokens(len(response.token_ids))
                 if response.finish_reason:
                     finished = True
@@ -125,9 +125,10 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
                 timer.failed("cancelled")
 
     async def _colocated(
-        self, parsed: ParsedRequest, timeout: float | None, span: Span
+        self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         assert self.colocated is not None
+        span = timer.span
         worker = self.colocated.pick()
         span.set_attribute("pdserve.colocated_worker", worker.address)
         with self.colocated.track(worker):
@@ -150,9 +151,10 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
                 call.cancel()
 
     async def _disaggregated(
-        self, parsed: ParsedRequest, timeout: float | None, span: Span
+        self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         assert self.prefill is not None and self.decode is not None
+        span = timer.span
         rid = parsed.request_id
         wid = worker_request_id(rid)
         sampling = params_to_proto(parsed.params)
@@ -209,7 +211,9 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
                 try:
                     async for step in call:
-                        pulled = True
+                        if not pulled:
+                            pulled = True
+                            timer.handed_off()
                         if not (step.token_ids or step.text or step.finish_reason):
                             continue
                         completion += len(step.token_ids)

@@ -113,6 +113,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 loop.submit(lambda: self.admission.withdraw(req))
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
+            if finished:
+                self.worker.metrics.request_done(req)
 
     def _check(self, request: decode_pb2.DecodeRequest) -> None:
         if not request.request_id:

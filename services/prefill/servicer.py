@@ -58,6 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     "pdserve.kv_blocks": len(response.kv_handle.block_ids),
                 })  # fmt: skip
                 record_phases(span, req)
+                self.worker.metrics.request_done(req)
             return response
 
     async def _prefill(

@@ -328,7 +328,13 @@ def test_coordinator_records_latency_and_outcomes(cluster):
         "length": count("pdserve_request_success_total", finished_reason="length"),
         "invalid": count("pdserve_request_failure_total", cause="invalid_argument"),
         "generated": count("pdserve_generation_tokens_total"),
+        "handoff": count("pdserve_kv_handoff_seconds_count"),
     }
+    phases = {
+        (role, name): cluster[role].metric(f"pdserve_request_{name}_time_seconds_count")
+        for role, name in [("prefill", "queue"), ("prefill", "prefill"),
+                           ("decode", "queue"), ("decode", "decode")]
+    }  # fmt: skip
     collect(cluster["stub"].Generate(generate_pb2.GenerateRequest(
         prompt="Count to ten:", sampling=greedy(6, ignore_eos=True))))  # fmt: skip
     with pytest.raises(grpc.RpcError):
@@ -343,3 +349,11 @@ def test_coordinator_records_latency_and_outcomes(cluster):
         before["invalid"] + 1
     )
     assert count("pdserve_generation_tokens_total") == before["generated"] + 6
+    assert count("pdserve_kv_handoff_seconds_count") == before["handoff"] + 1
+    for (role, name), n in phases.items():  # each worker's phases, once for the good request
+        deadline = time.monotonic() + 10  # recorded just after the last token leaves
+        while (got := cluster[role].metric(f"pdserve_request_{name}_time_seconds_count")) < n + 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got == n + 1, (role, name)
