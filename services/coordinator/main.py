@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 
@@ -45,11 +46,27 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         "embedded SmolLM2-135M-Instruct)",
     )
     g.add_argument(
+        "--no-log-requests",
+        action="store_true",
+        default=env("no_log_requests", "0") not in ("0", "", "false"),
+        help="no JSON line on stderr per finished request",
+    )
+    g.add_argument(
         "--max-model-len",
         type=int,
         default=int_env("max_model_len"),
         help="longest prompt + output (default: the model's limit)",
     )
+
+
+def _log_requests() -> None:
+    """One JSON line per finished request on stderr, whatever the log level of the rest."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("pdserve.requests")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _split(value: str) -> list[str]:
@@ -85,6 +102,8 @@ async def _serve(
     from pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
 
     setup_tracing("pdserve-coordinator")
+    if not args.no_log_requests:
+        _log_requests()
     model_dir = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     frontend = Frontend(

@@ -4,6 +4,8 @@ names and buckets with a `pdserve_` prefix; the buckets span GPU and CPU speeds.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 
 from opentelemetry.trace import Span, Status, StatusCode
@@ -42,6 +44,9 @@ FAILURE = Counter("pdserve_request_failure", "Requests that ended in an error, b
                   (*LABELS, "cause"))  # fmt: skip
 
 
+REQUEST_LOG = logging.getLogger("pdserve.requests")
+
+
 class RequestTimer:
     """Follows one request through the coordinator and records it when it ends: in the
     metrics, and on the request's root span (which it ends)."""
@@ -49,6 +54,7 @@ class RequestTimer:
     def __init__(self, labels: dict[str, str], span: Span | None = None) -> None:
         self.labels = labels
         self.span = span
+        self.request_id = ""
         self.start = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
@@ -83,6 +89,8 @@ class RequestTimer:
         PROMPT_TOKENS.labels(**self.labels).inc(prompt_tokens)
         GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
         SUCCESS.labels(**self.labels, finished_reason=reason).inc()
+        self._log(finish_reason=reason, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                  tpot_s=None if tpot is None else round(tpot, 6))  # fmt: skip
         if self.span is not None:
             self.span.set_attributes({
                 "gen_ai.usage.input_tokens": prompt_tokens,
@@ -97,8 +105,25 @@ class RequestTimer:
     def failed(self, cause: str, message: str = "") -> None:
         GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
         FAILURE.labels(**self.labels, cause=cause).inc()
+        self._log(error=cause, message=message)
         if self.span is not None:
             self.span.set_attribute("gen_ai.usage.output_tokens", self.tokens)
             self.span.set_attribute("error.type", cause)
             self.span.set_status(Status(StatusCode.ERROR, message or cause))
             self.span.end()
+
+    def _log(self, **fields: object) -> None:
+        """One JSON line per finished request (logger `pdserve.requests`)."""
+        if not REQUEST_LOG.isEnabledFor(logging.INFO):
+            return
+        context = self.span.get_span_context() if self.span is not None else None
+        record = {
+            "event": "request",
+            "request_id": self.request_id,
+            "trace_id": f"{context.trace_id:032x}" if context and context.is_valid else None,
+            "e2e_s": round(time.monotonic() - self.start, 6),
+            "ttft_s": None if self.first is None else round(self.first - self.start, 6),
+            "completion_tokens": self.tokens,
+            **fields,
+        }
+        REQUEST_LOG.info(json.dumps(record))

@@ -99,6 +99,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
             timer.failed("invalid_argument", str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         span.set_attribute("pdserve.request_id", parsed.request_id)
+        timer.request_id = parsed.request_id
         path = self._colocated if self.colocated is not None else self._disaggregated
         finished = False
         try:
