@@ -28,12 +28,6 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 
-def stream(
-    stub: generate_pb2_grpc.GenerateServiceStub, request: generate_pb2.GenerateRequest
-) -> Iterator[generate_pb2.GenerateResponse]:
-    yield from stub.Generate(request)
-
-
 def _sampling(args: argparse.Namespace) -> generate_pb2.SamplingParams:
     sampling = generate_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
@@ -62,7 +56,7 @@ def run_complete(args: argparse.Namespace) -> int:
         else:
             request = generate_pb2.GenerateRequest(prompt=args.prompt, sampling=_sampling(args))
         try:
-            _print_stream(stream(stub, request))
+            _print_stream(stub.Generate(request))
         except grpc.RpcError as e:
             print(f"pdserve complete: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -88,7 +82,7 @@ def run_chat(args: argparse.Namespace) -> int:
             messages.append(generate_pb2.ChatMessage(role="user", content=line))
             request = generate_pb2.GenerateRequest(messages=messages, sampling=_sampling(args))
             try:
-                answer = _print_stream(stream(stub, request))
+                answer = _print_stream(stub.Generate(request))
             except grpc.RpcError as e:
                 print(f"pdserve chat: {e.code().name}: {e.details()}", file=sys.stderr)
                 messages.pop()

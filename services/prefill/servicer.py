@@ -91,7 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
             if final.finish_reason is None:  # PREFILLED: hand the blocks off
                 lease = self.leases.grant(req)
-                response.kv_handle.CopyFrom(self._handle(req, lease.lease_id, lease))
+                response.kv_handle.CopyFrom(self._handle(req, lease))
             return response, req
         except asyncio.CancelledError:
             # The caller left (cancelled, deadline): no one will pull these blocks.
@@ -103,7 +103,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.leases.pop_request(req)
         self.worker.loop.engine.drop(req)
 
-    def _handle(self, req: Request, lease_id: str, lease: Lease) -> kv_pb2.KvHandle:
+    def _handle(self, req: Request, lease: Lease) -> kv_pb2.KvHandle:
         w = self.worker
         expires = Timestamp()
         expires.FromNanoseconds(int(lease.expires_at_unix * 1e9))
@@ -113,7 +113,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             grpc_address=w.address,
             transport=w.transport.kind,
             transport_address=w.transport.address,
-            lease_id=lease_id,
+            lease_id=lease.lease_id,
             block_ids=req.block_ids,
             num_tokens=req.num_prompt_tokens,
             block_size=w.loop.engine.config.block_size,

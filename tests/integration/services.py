@@ -5,18 +5,16 @@ a service's Prometheus metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from pdserve.services.grpc_server import wait_healthy
 from pdserve.services.launcher import ServiceChild
 
 START_TIMEOUT_S = 180.0
@@ -85,7 +83,7 @@ def start(role: str, *args: str, env: dict[str, str] | None = None) -> RunningSe
     service = RunningService(role, child.proc)
     try:
         service.info = child.wait_listening(START_TIMEOUT_S)
-        wait_serving(service.grpc, START_TIMEOUT_S)
+        asyncio.run(wait_healthy(service.grpc, START_TIMEOUT_S))
     except BaseException:
         service.kill()
         raise
@@ -99,19 +97,3 @@ def running(role: str, *args: str, env: dict[str, str] | None = None) -> Iterato
         yield service
     finally:
         service.stop()
-
-
-def wait_serving(address: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not SERVING within {timeout_s:.0f} s")
-            time.sleep(0.2)
