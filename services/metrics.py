@@ -29,11 +29,12 @@ WAITING = Gauge(
 HELD = Gauge(
     "pdserve_kv_leases_held", "Prefilled requests whose KV blocks wait to be pulled", LABELS
 )
-PREFIX_QUERIES = Gauge(
-    "pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", LABELS
+# Counters as vLLM shapes them (tokens); fed by deltas of the scheduler's running counts.
+PREFIX_QUERIES = Counter(
+    "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS
 )
-PREFIX_HITS = Gauge(
-    "pdserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", LABELS
+PREFIX_HITS = Counter(
+    "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", LABELS
 )
 TRANSFER_LABELS = (*LABELS, "transport", "direction")
 KV_TRANSFER_BYTES = Counter(
@@ -87,8 +88,19 @@ class WorkerMetrics:
         WAITING.labels(**labels).set_function(lambda: len(sched.waiting) + self.extra_waiting)
         self.held = 0
         HELD.labels(**labels).set_function(lambda: self.held)
-        PREFIX_QUERIES.labels(**labels).set_function(lambda: sched.stats.prefix_cache_queries)
-        PREFIX_HITS.labels(**labels).set_function(lambda: sched.stats.prefix_cache_hits)
+        self._stats = sched.stats
+        self._prefix_queries = PREFIX_QUERIES.labels(**labels)
+        self._prefix_hits = PREFIX_HITS.labels(**labels)
+        self._seen_queries = self._seen_hits = 0
+        self.sync_prefix_cache()
+
+    def sync_prefix_cache(self) -> None:
+        """Add what the prefix cache counted since the last call (the engine thread calls
+        this between steps, so the counters trail the engine by at most one step)."""
+        queries, hits = self._stats.prefix_cache_queries, self._stats.prefix_cache_hits
+        self._prefix_queries.inc(queries - self._seen_queries)
+        self._prefix_hits.inc(hits - self._seen_hits)
+        self._seen_queries, self._seen_hits = queries, hits
 
     def request_done(self, request: Request) -> None:
         """A request's phases on this worker, once it is done here."""

@@ -63,6 +63,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         transfer_timeout_s=args.transfer_timeout,
     )
     names = _add_servicer(worker, process, args)
+    loop.housekeeping.append(worker.metrics.sync_prefix_cache)
     loop.start()
 
     async def shutdown() -> None:
