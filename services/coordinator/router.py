@@ -1,6 +1,10 @@
 """Step 2 and 5 of a request's path: which worker of a pool takes it. Policies:
 `least_loaded` (fewest requests this coordinator has in flight there, round-robin among
-ties; the default) and `round_robin`. Prefix-aware routing comes with scale-out."""
+ties; the default) and `round_robin`. Prefix-aware routing comes with scale-out.
+
+Every decision is counted in `pdserve_router_decisions_total{pool, policy, outcome, target}`:
+`outcome` is `picked` (`target` the chosen worker's address) or `no_worker` (`target`
+empty)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,19 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import grpc
+from prometheus_client import Counter
 
 POLICIES = ("least_loaded", "round_robin")
+
+DECISIONS = Counter(
+    "pdserve_router_decisions",
+    "Routing decisions of the coordinator, by pool, policy and outcome (picked / no_worker)",
+    ("pool", "policy", "outcome", "target"),
+)
 
 
 class NoWorkerError(RuntimeError):
@@ -50,12 +62,14 @@ class WorkerPool:
 
     def pick(self) -> WorkerEndpoint:
         if not self.workers:
+            DECISIONS.labels(self.role, self.policy, "no_worker", "").inc()
             raise NoWorkerError(f"no {self.role} worker is configured")
         start = next(self._turn) % len(self.workers)
         order = self.workers[start:] + self.workers[:start]
-        if self.policy == "round_robin":
-            return order[0]
-        return min(order, key=lambda w: w.in_flight)
+        by_load = attrgetter("in_flight")
+        chosen = order[0] if self.policy == "round_robin" else min(order, key=by_load)
+        DECISIONS.labels(self.role, self.policy, "picked", chosen.address).inc()
+        return chosen
 
     @contextlib.contextmanager
     def track(self, worker: WorkerEndpoint) -> Iterator[WorkerEndpoint]:
