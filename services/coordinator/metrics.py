@@ -1,6 +1,8 @@
 """The coordinator's request metrics: latency as the client sees it, end to end (TTFT here
 includes routing, queueing and prefill; TPOT includes the KV handoff and decode). vLLM's
-names and buckets with a `pdserve_` prefix; the buckets span GPU and CPU speeds."""
+names and buckets with a `pdserve_` prefix; the buckets span GPU and CPU speeds. The same
+times go to the OpenTelemetry GenAI server histograms when OTLP metrics export is on
+(`common/tracing.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import time
 
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import Counter, Histogram
+
+from pdserve.common.tracing import genai_server_metrics
 
 LABELS = ("model", "role", "worker")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -67,6 +71,8 @@ class RequestTimer:
         if self.first is None:
             self.first = now
             TTFT.labels(**self.labels).observe(now - self.start)
+            if (genai := genai_server_metrics()) is not None:
+                genai.time_to_first_token.record(now - self.start, self._genai_attributes())
         elif self.last is not None:
             gap = (now - self.last) / n
             for _ in range(n):
@@ -86,6 +92,11 @@ class RequestTimer:
         if self.first is not None and self.last is not None and self.tokens > 1:
             tpot = (self.last - self.first) / (self.tokens - 1)
             TPOT.labels(**self.labels).observe(tpot)
+        if (genai := genai_server_metrics()) is not None:
+            attributes = self._genai_attributes()
+            genai.request_duration.record(now - self.start, attributes)
+            if tpot is not None:
+                genai.time_per_output_token.record(tpot, attributes)
         PROMPT_TOKENS.labels(**self.labels).inc(prompt_tokens)
         GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
         SUCCESS.labels(**self.labels, finished_reason=reason).inc()
@@ -105,12 +116,26 @@ class RequestTimer:
     def failed(self, cause: str, message: str = "") -> None:
         GENERATION_TOKENS.labels(**self.labels).inc(self.tokens)
         FAILURE.labels(**self.labels, cause=cause).inc()
+        if (genai := genai_server_metrics()) is not None:
+            duration = time.monotonic() - self.start
+            genai.request_duration.record(duration, self._genai_attributes(error=cause))
         self._log(error=cause, message=message)
         if self.span is not None:
             self.span.set_attribute("gen_ai.usage.output_tokens", self.tokens)
             self.span.set_attribute("error.type", cause)
             self.span.set_status(Status(StatusCode.ERROR, message or cause))
             self.span.end()
+
+    def _genai_attributes(self, error: str | None = None) -> dict[str, str]:
+        """The GenAI metric attributes: the model, the operation when the root span recorded
+        it (tracing on), `error.type` for a failed request."""
+        attributes = {"gen_ai.request.model": self.labels.get("model", "")}
+        recorded = getattr(self.span, "attributes", None) or {}  # an SDK span keeps them
+        if operation := recorded.get("gen_ai.operation.name"):
+            attributes["gen_ai.operation.name"] = str(operation)
+        if error is not None:
+            attributes["error.type"] = error
+        return attributes
 
     def _log(self, **fields: object) -> None:
         """One JSON line per finished request (logger `pdserve.requests`)."""
