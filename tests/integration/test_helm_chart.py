@@ -19,6 +19,17 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError
+from prometheus_client import REGISTRY, generate_latest
+from promql import (
+    DASHBOARD,
+    RULES,
+    dashboard_queries,
+    declared_series,
+    fill_variables,
+    metric_names,
+    rules_file_of,
+    run_promtool,
+)
 
 from pdserve.services.cli import build_parser
 
@@ -35,6 +46,13 @@ WORKERS = ("prefill", "decode")
 NON_FLAG_VARS = {"PDSERVE_CACHE_DIR": "common/model_files.py", "PDSERVE_BUILD_DIR": "kernels"}
 # What downward-API fields stand for when the CLI parses a container's environment.
 FIELD_SAMPLES = {"status.podIP": "10.1.2.3", "metadata.name": "demo-pdserve-prefill-abc12"}
+LATENCY_HISTOGRAMS = (
+    "pdserve_time_to_first_token_seconds",
+    "pdserve_request_time_per_output_token_seconds",
+    "pdserve_inter_token_latency_seconds",
+    "pdserve_e2e_request_latency_seconds",
+    "pdserve_kv_handoff_seconds",
+)
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -163,8 +181,8 @@ def test_every_manifest_passes_kubernetes_validate_strict(value_set: str) -> Non
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
             except SchemaNotFoundError:
-                # CRDs have no bundled schema; the chart's only CRD is checked below.
-                assert doc["kind"] == "ServiceMonitor", what
+                # CRDs have no bundled schema; the chart's two are checked below.
+                assert doc["kind"] in ("ServiceMonitor", "PrometheusRule"), what
             except kubernetes_validate.ValidationError as exc:
                 pytest.fail(f"{what}: {exc}")
 
@@ -466,21 +484,73 @@ def test_service_monitor_selects_every_metrics_service() -> None:
     assert not find(manifests("default"), "ServiceMonitor")
 
 
-def test_dashboard_uses_only_metrics_the_workers_export() -> None:
+def test_dashboard_ships_in_a_configmap_for_grafanas_sidecar() -> None:
     (cm,) = find(manifests("default"), "ConfigMap")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    dashboard = json.loads(cm["data"]["pdserve.json"])
-    exported = set(re.findall(r'"(pdserve_[a-z_]+)"', (ROOT / "services/metrics.py").read_text()))
-    assert len(exported) >= 10
-    used = set()
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            used |= set(re.findall(r"pdserve_[a-z_]+", target["expr"]))
-    # prometheus_client adds _total to counters; histograms expose _bucket, _sum, _count.
-    used = {re.sub(r"_(bucket|sum|count|total)$", "", m) for m in used}
-    exported = {re.sub(r"_total$", "", m) for m in exported}
-    assert used and used <= exported, used - exported
+    assert json.loads(cm["data"]["pdserve.json"]) == json.loads(DASHBOARD.read_text())
     assert not find(render("default", "metrics.dashboard.enabled=false"), "ConfigMap")
+
+
+def test_every_dashboard_query_parses(tmp_path: Path) -> None:
+    queries = [fill_variables(q) for q in dashboard_queries(json.loads(DASHBOARD.read_text()))]
+    assert len(queries) >= 20
+    rules = tmp_path / "dashboard.rules.yaml"
+    rules.write_text(rules_file_of(queries))
+    result = run_promtool("check", "rules", str(rules))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(queries)} rules found" in result.stdout
+
+
+def test_dashboard_and_rules_use_only_metrics_pdserve_defines() -> None:
+    """Offline: against every metric the services' modules register (tests/integration/
+    test_metrics_exposition.py checks the same against live scrapes)."""
+    import pdserve.services.coordinator.metrics
+    import pdserve.services.coordinator.router
+    import pdserve.services.metrics  # noqa: F401
+
+    defined = declared_series(generate_latest(REGISTRY).decode())
+    used = set()
+    for query in dashboard_queries(json.loads(DASHBOARD.read_text())):
+        used |= metric_names(query)
+    for rule in yaml.safe_load(RULES.read_text())["groups"][0]["rules"]:
+        used |= metric_names(rule["expr"])
+    assert len(used) >= 15
+    assert used <= defined, used - defined
+
+
+def test_prometheus_rule_records_latency_percentiles(tmp_path: Path) -> None:
+    (rule,) = find(manifests("everything"), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert rule["spec"] == yaml.safe_load(RULES.read_text())
+    assert not find(manifests("default"), "PrometheusRule")
+    records = [r["record"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    for metric in LATENCY_HISTOGRAMS:
+        for p in ("p50", "p90", "p99"):
+            assert f"namespace_model:{metric}:{p}" in records
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump(rule["spec"]))
+    result = run_promtool("check", "rules", str(rules))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(records)} rules found" in result.stdout
+    # Their values: two coordinators' buckets, 10 fast (<= 0.5 s) and 10 slow (0.5-1 s)
+    # requests a minute in all; p50 = 0.5, p90 = 0.9, p99 = 0.99 for each histogram.
+    series, checks = [], []
+    for metric in LATENCY_HISTOGRAMS:
+        for worker in ("a", "b"):
+            for le, per_minute in (("0.5", 5), ("1", 10), ("+Inf", 10)):
+                labels = f'namespace="llm",model="m",role="coordinator",worker="{worker}"'
+                series.append({"series": f'{metric}_bucket{{{labels},le="{le}"}}',
+                               "values": f"0+{per_minute}x20"})  # fmt: skip
+        for p, value in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+            record = f"namespace_model:{metric}:{p}"
+            checks.append({"expr": record, "eval_time": "15m", "exp_samples": [
+                {"labels": f'{record}{{namespace="llm",model="m"}}', "value": value}]})  # fmt: skip
+    unit = tmp_path / "rules_test.yaml"
+    test = {"interval": "1m", "input_series": series, "promql_expr_test": checks}
+    unit.write_text(yaml.safe_dump({"rule_files": [str(rules)], "tests": [test]}))
+    result = run_promtool("test", "rules", str(unit))
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- security, the test hook ----------------------------------------------------------------
