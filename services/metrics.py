@@ -17,7 +17,8 @@ LABELS = ("model", "role", "worker")
 # From a few blocks over shared memory to thousands over TCP.
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
-KV_BLOCKS_TOTAL = Gauge("pdserve_kv_cache_blocks_total", "KV cache blocks in the pool", LABELS)
+# A gauge, so no `_total` suffix (promtool's lint keeps that for counters).
+KV_BLOCKS_TOTAL = Gauge("pdserve_kv_cache_num_blocks", "KV cache blocks in the pool", LABELS)
 KV_BLOCKS_FREE = Gauge(
     "pdserve_kv_cache_blocks_free", "KV cache blocks free (cached-but-unused count as free)", LABELS
 )
