@@ -50,6 +50,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Log-probabilities of `new_token_ids` (empty when the request asked for none).
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -225,11 +227,15 @@ class LLMEngine:
                 request.logprobs.append(s.logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
-            outputs.append(self._process_token(request, s.token_id))
+            outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
         return outputs
 
     def _process_token(
-        self, request: Request, token_id: int, in_scheduler: bool = True
+        self,
+        request: Request,
+        token_id: int,
+        in_scheduler: bool = True,
+        logprobs: TokenLogprobs | None = None,
     ) -> RequestOutput:
         assert request.detokenizer is not None and request.stop_checker is not None
         delta = request.detokenizer.add(token_id)
@@ -262,6 +268,7 @@ class LLMEngine:
             token_ids=request.output_token_ids,
             text=request.output_text,
             logprobs=request.logprobs,
+            new_logprobs=[logprobs] if logprobs is not None else [],
         )
 
     def generate(

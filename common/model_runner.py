@@ -128,7 +128,10 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[sample_idx])
         out = self.sampler.sample(
-            logits, [r.sampling_params for r in sampling], [r.generator for r in sampling]
+            logits,
+            [r.sampling_params for r in sampling],
+            [r.generator for r in sampling],
+            [r.stop_checker.tokens_to_ban() if r.stop_checker else frozenset() for r in sampling],
         )
         return [
             SampledToken(r, t, lp)

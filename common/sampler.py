@@ -79,7 +79,10 @@ class Sampler:
         logits: Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        banned: list[frozenset[int]] | None = None,
     ) -> SamplerOutput:
+        """``banned[i]``: token ids row i must not draw (a request under its min_tokens);
+        log-probabilities stay those of the unmodified logits."""
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
             raise ValueError(
@@ -87,9 +90,16 @@ class Sampler:
             )
         if n == 0:
             return SamplerOutput([], [])
-        logits = logits.float()
+        raw = logits = logits.float()
         device = logits.device
         tokens = torch.empty(n, dtype=torch.long, device=device)
+        if banned is not None and any(banned):
+            cols_l = [t for b in banned for t in b if t < logits.shape[1]]
+            rows_l = [i for i, b in enumerate(banned) for t in b if t < logits.shape[1]]
+            logits = logits.clone()
+            logits[torch.tensor(rows_l, device=device), torch.tensor(cols_l, device=device)] = (
+                float("-inf")
+            )
 
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if greedy:
@@ -113,7 +123,7 @@ class Sampler:
                     tokens[i] = _exponential_race(probs[j : j + 1], generators[i])[0]
 
         token_ids: list[int] = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, params, tokens, token_ids))
+        return SamplerOutput(token_ids, self._logprobs(raw, params, tokens, token_ids))
 
     @staticmethod
     def _logprobs(

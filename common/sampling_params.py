@@ -15,6 +15,8 @@ MAX_LOGPROBS = 20
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    # Stop tokens (EOS, stop_token_ids) and stop strings are held off until this many tokens.
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -37,6 +39,15 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
+            raise InvalidRequestError(
+                "min_tokens",
+                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+            )
         if not isinstance(self.temperature, int | float) or self.temperature < 0:
             raise InvalidRequestError(
                 "temperature", f"must be a number >= 0 (0 is greedy), got {self.temperature!r}"

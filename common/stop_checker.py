@@ -10,6 +10,9 @@ detokenizer's delta. Rules, first match wins:
   the token's own text is kept (special tokens such as EOS usually decode to "");
 * the request has ``max_tokens`` output tokens -> "length".
 
+Until ``min_tokens`` tokens exist, stop tokens and stop strings do not finish the request
+(the sampler also masks the stop tokens then: see `tokens_to_ban`).
+
 Text that could still be the start of a stop string (the longest tail of the text that is a
 proper prefix of some stop string) is held back and emitted once it is clear it is not one,
 or flushed on finish. So no text is ever emitted and then taken back, and the concatenated
@@ -53,6 +56,13 @@ class StopChecker:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    def tokens_to_ban(self) -> frozenset[int]:
+        """Token ids the next draw must not pick: the stop tokens while fewer than
+        ``min_tokens`` tokens exist, else none."""
+        if self._num_tokens < self._params.min_tokens:
+            return frozenset(self._stop_ids)
+        return frozenset()
+
     def check(
         self, token_id: int, delta: str, flush: Callable[[], str] | None = None
     ) -> StopResult:
@@ -64,7 +74,8 @@ class StopChecker:
             raise RuntimeError("check called on a finished request")
         self._num_tokens += 1
         reason: FinishReason | None = None
-        if token_id in self._stop_ids:
+        held_off = self._num_tokens < self._params.min_tokens
+        if token_id in self._stop_ids and not held_off:
             reason = "stop"
         elif self._num_tokens >= self._params.max_tokens:
             reason = "length"
@@ -73,7 +84,7 @@ class StopChecker:
         start = len(self._output)
         self._output += delta
 
-        cut = self._find_stop(start)
+        cut = None if held_off else self._find_stop(start)
         if cut is not None:
             self._output = self._output[:cut]
             return self._finish("stop")

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     from pdserve.services.client import add_client_args
-    from pdserve.services.coordinator.main import add_coordinator_args
+    from pdserve.services.coordinator.main import add_coordinator_args, add_http_args
     from pdserve.services.service_args import add_service_args, add_worker_args
 
     serve = sub.add_parser(
@@ -91,6 +91,7 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
         help="one engine doing prefill and decode (the baseline), no KV transfer",
     )
     add_service_args(serve, 50051)
+    add_http_args(serve, 8000)
     add_engine_args(serve)
 
     coord = sub.add_parser(

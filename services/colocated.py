@@ -10,6 +10,7 @@ import grpc
 from transformers import AutoTokenizer
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.services.convert import logprobs_to_proto
 from pdserve.services.frontend import Frontend, usage
 from pdserve.services.worker import Worker
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -38,7 +39,10 @@ class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         async for out in loop.stream(parsed.request_id):
             response = generate_pb2.GenerateResponse(
-                request_id=parsed.request_id, token_ids=out.new_token_ids, text=out.new_text
+                request_id=parsed.request_id,
+                token_ids=out.new_token_ids,
+                text=out.new_text,
+                logprobs=logprobs_to_proto(out.new_logprobs),
             )
             if out.finished:
                 response.finish_reason = out.finish_reason or "abort"

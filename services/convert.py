@@ -4,7 +4,10 @@ back. A bad field raises `InvalidRequestError` naming it as the client spelled i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.v1 import generate_pb2
 
@@ -26,6 +29,8 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        min_tokens=int(sampling.min_tokens),
+        logprobs=int(sampling.logprobs) if sampling.HasField("logprobs") else None,
     )
     if params.temperature != params.temperature:  # nan
         raise InvalidRequestError("sampling.temperature", "must be a number, got nan")
@@ -44,7 +49,21 @@ def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         proto.seed = params.seed
+    if params.logprobs is not None:
+        proto.logprobs = params.logprobs
     return proto
+
+
+def logprobs_to_proto(logprobs: Iterable[TokenLogprobs]) -> list[generate_pb2.TokenLogprobs]:
+    return [
+        generate_pb2.TokenLogprobs(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]

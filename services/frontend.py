@@ -18,6 +18,10 @@ from pdserve.v1 import generate_pb2
 MAX_REQUEST_ID_LEN = 256
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit the model's context."""
+
+
 @dataclass
 class ParsedRequest:
     request_id: str
@@ -31,7 +35,11 @@ class Frontend:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
-    def parse(self, request: generate_pb2.GenerateRequest) -> ParsedRequest:
+    def parse(
+        self, request: generate_pb2.GenerateRequest, fill_context: bool = False
+    ) -> ParsedRequest:
+        """`fill_context`: an unset max_tokens means the rest of the context (the HTTP
+        API's default) rather than the gRPC default of 16."""
         given = [
             name
             for name, present in (
@@ -62,11 +70,14 @@ class Frontend:
         params = params_from_proto(request.sampling)
         token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 given[0],
                 f"{len(token_ids)} tokens leaves no room to generate within the model's "
                 f"context of {self.max_model_len} tokens",
             )
+        if fill_context and not request.sampling.HasField("max_tokens"):
+            params.max_tokens = self.max_model_len - len(token_ids)
+            params.validate()
         return ParsedRequest(request.request_id or f"pd-{uuid.uuid4().hex}", token_ids, params)
 
 

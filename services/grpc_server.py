@@ -45,13 +45,19 @@ class ServiceProcess:
             http_server, _thread = start_http_server(metrics_port, addr=host)
             self.metrics_port = http_server.server_port
         self._on_stop: list[Callable[[], Awaitable[None]]] = []
+        self._on_drain: list[Callable[[float], Awaitable[None]]] = []
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def on_stop(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run `fn` once the server has stopped."""
         self._on_stop.append(fn)
+
+    def on_drain(self, fn: Callable[[float], Awaitable[None]]) -> None:
+        """Run `fn(grace_s)` beside the gRPC server's drain (another front's own drain)."""
+        self._on_drain.append(fn)
 
     async def run(
         self,
@@ -78,7 +84,7 @@ class ServiceProcess:
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        await asyncio.gather(self.server.stop(grace_s), *(fn(grace_s) for fn in self._on_drain))
         for fn in self._on_stop:
             await fn()
 

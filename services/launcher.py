@@ -108,7 +108,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 *(["--model", args.model] if args.model else []),
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *[f"--{role}-workers={addresses}" for role, addresses in by_role.items()],
+                *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
+                *(
+                    ["--served-model-name", args.served_model_name]
+                    if args.served_model_name
+                    else []
+                ),
             ],
+            # The key goes by environment: a flag would show in the process list.
+            env={"PDSERVE_API_KEY": args.api_key} if args.api_key else None,
         )
         children.append(coordinator)
         front = coordinator.wait_listening(START_TIMEOUT_S)
@@ -118,12 +126,14 @@ def run_serve(args: argparse.Namespace) -> int:
             "event": "ready",
             "coordinator": front["grpc"],
             "metrics": front["metrics"],
+            **({"http": front["http"]} if "http" in front else {}),
             "workers": [
                 {"role": w["role"], "grpc": w["grpc"], "metrics": w["metrics"]} for w in workers
             ],
         }
         print(json.dumps(ready), flush=True)
-        print(f"pdserve is ready: chat with `pdserve chat --address {front['grpc']}`; "
+        http = f" or POST http://{front['http']}/v1/chat/completions" if "http" in front else ""
+        print(f"pdserve is ready: chat with `pdserve chat --address {front['grpc']}`{http}; "
               "Ctrl-C stops every process.", file=sys.stderr, flush=True)  # fmt: skip
         while not stop.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]

@@ -1,5 +1,6 @@
-"""`pdserve coordinator`: the public gRPC endpoint in front of the worker pools. It loads
-only the tokenizer and the model's config (no weights)."""
+"""`pdserve coordinator`: the public gRPC endpoint (and, with `--http-port`, the
+OpenAI-compatible HTTP API) in front of the worker pools. It loads only the tokenizer and the
+model's config (no weights)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,41 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         default=int_env("max_model_len"),
         help="longest prompt + output (default: the model's limit)",
     )
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=int_env("max_inflight_requests") or 1024,
+        help="requests in flight at once; more are refused with RESOURCE_EXHAUSTED / HTTP "
+        "429 (default: %(default)s)",
+    )
+    add_http_args(p, None)
+
+
+def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
+    """The OpenAI-compatible HTTP API's flags (on `coordinator` and `serve`)."""
+    g = p.add_argument_group("OpenAI-compatible HTTP API (each also read from PDSERVE_<NAME>)")
+    port = env("http_port", "" if default_port is None else str(default_port))
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=int(port) if port else None,
+        help="port of /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; "
+        "0 picks a free one, -1 turns HTTP off (default: "
+        + ("off" if default_port is None else str(default_port))
+        + ")",
+    )
+    g.add_argument(
+        "--api-key",
+        default=env("api_key"),
+        help="when set, /v1/* needs 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: "
+        "a flag shows in the process list)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=env("served_model_name"),
+        help="comma-separated model ids clients may name; the first is the default "
+        "(default: the model folder's name)",
+    )
 
 
 def _log_requests() -> None:
@@ -111,6 +147,8 @@ async def _serve(
         hf_config.vocab_size,
         max_model_len(hf_config, args.max_model_len),
     )
+    from pdserve.services.coordinator.request_path import Coordinator
+
     pools = {
         "prefill": WorkerPool("prefill", prefill, prefill_pb2_grpc.PrefillServiceStub, args.policy),
         "decode": WorkerPool("decode", decode, decode_pb2_grpc.DecodeServiceStub, args.policy),
@@ -119,14 +157,31 @@ async def _serve(
         ),
     }
     process = ServiceProcess(args.host, args.port, args.metrics_port)
-    identity = {"model": model_dir.name, "worker_id": f"coordinator-{process.port}"}
+    identity = {
+        "model": model_dir.name,
+        "worker_id": f"coordinator-{process.port}",
+        "max_inflight": args.max_inflight_requests,
+    }
     if colocated:
-        servicer = CoordinatorServicer(frontend, colocated=pools["colocated"], **identity)
+        coordinator = Coordinator(frontend, colocated=pools["colocated"], **identity)
     else:
-        servicer = CoordinatorServicer(
+        coordinator = Coordinator(
             frontend, prefill=pools["prefill"], decode=pools["decode"], **identity
         )
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, process.server)
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(
+        CoordinatorServicer(coordinator), process.server
+    )
+    http = None
+    if args.http_port is not None and args.http_port >= 0:
+        from pdserve.services.coordinator.http_api import HttpServer, OpenAIServer
+
+        served = _split(args.served_model_name or "") or [model_dir.name]
+        api = OpenAIServer(
+            coordinator, frontend.tokenizer, served, frontend.max_model_len, args.api_key
+        )
+        http = HttpServer(api.app, args.host, args.http_port)
+        await http.start()
+        process.on_drain(http.drain)
 
     async def close_pools() -> None:
         for pool in pools.values():
@@ -140,6 +195,8 @@ async def _serve(
         "grpc": process.address,
         "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
     }
+    if http is not None:
+        ready["http"] = http.address
     await process.run(
         ["pdserve.v1.GenerateService"],
         on_ready=lambda: print(json.dumps(ready), flush=True),

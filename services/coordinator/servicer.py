@@ -1,254 +1,31 @@
-"""The coordinator's `GenerateService`: a request's whole path seen from the front.
-
-1. validate and tokenize (`Frontend`); 2. pick a prefill worker and call `Prefill`; 4. send
-the first token to the client at once; 5. pick a decode worker and call `Decode` with the KV
-handle; 7. relay its tokens, then the finish reason and usage. The client's deadline goes to
-every worker call; a client that cancels cancels the worker call in flight, which frees the
-request's blocks there. A worker's error reaches the client with its status code and the
-worker named."""
+"""The coordinator's gRPC front: `GenerateService.Generate` over the shared request path
+(`request_path.Coordinator`). A failure reaches the client with its status code and, for a
+worker's failure, the worker named."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import secrets
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry.trace import SpanKind
 
-from pdserve.common.errors import InvalidRequestError
-from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
-from pdserve.services.convert import params_to_proto
-from pdserve.services.coordinator.metrics import RequestTimer
-from pdserve.services.coordinator.router import NoWorkerError, WorkerEndpoint, WorkerPool
-from pdserve.services.frontend import Frontend, ParsedRequest, usage
-from pdserve.v1 import (
-    decode_pb2,
-    generate_pb2,
-    generate_pb2_grpc,
-    prefill_pb2,
-)
-
-logger = logging.getLogger(__name__)
-
-
-class WorkerFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def request_attributes(request: generate_pb2.GenerateRequest, model: str) -> dict:
-    """The OpenTelemetry GenAI attributes known when a request arrives."""
-    sampling = request.sampling
-    attributes: dict = {
-        "gen_ai.operation.name": "chat" if request.messages else "text_completion",
-        "gen_ai.request.model": model,
-    }
-    if sampling.HasField("max_tokens"):
-        attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
-    if sampling.HasField("temperature"):
-        attributes["gen_ai.request.temperature"] = sampling.temperature
-    return attributes
-
-
-def worker_request_id(request_id: str) -> str:
-    """The id workers see: the client's plus a random suffix, so two clients that pick the
-    same id never collide on a worker."""
-    return f"{request_id}.{secrets.token_hex(4)}"
-
-
-def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> WorkerFailed:
-    return WorkerFailed(e.code(), f"{role} worker {address}: {e.details()}")
+from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 
 class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(
-        self,
-        frontend: Frontend,
-        prefill: WorkerPool | None = None,
-        decode: WorkerPool | None = None,
-        colocated: WorkerPool | None = None,
-        model: str = "",
-        worker_id: str = "coordinator",
-    ) -> None:
-        if colocated is None and (prefill is None or decode is None):
-            raise ValueError("workers: give prefill and decode workers, or colocated ones")
-        self.frontend = frontend
-        self.prefill = prefill
-        self.decode = decode
-        self.colocated = colocated
-        self._background: set[asyncio.Task[None]] = set()
-        self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        span = tracer().start_span(
-            "pdserve.generate",
-            context=context_from_metadata(context.invocation_metadata()),
-            kind=SpanKind.SERVER,
-            attributes=request_attributes(request, self.metric_labels["model"]),
+        responses = self.coordinator.generate(
+            request, context.invocation_metadata(), context.time_remaining()
         )
-        timer = RequestTimer(self.metric_labels, span)
         try:
-            parsed = self.frontend.parse(request)
-        except InvalidRequestError as e:
-            timer.failed("invalid_argument", str(e))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        span.set_attribute("pdserve.request_id", parsed.request_id)
-        timer.request_id = parsed.request_id
-        path = self._colocated if self.colocated is not None else self._disaggregated
-        finished = False
-        try:
-            async for response in path(parsed, context.time_remaining(), timer):
-                timer.on_tokens(len(response.token_ids))
-                if response.finish_reason:
-                    finished = True
-                    timer.finished(
-                        response.finish_reason,
-                        len(parsed.token_ids),
-                        response.usage.cached_tokens,
-                    )
+            async for response in responses:
                 yield response
-        except WorkerFailed as e:
-            finished = True
-            timer.failed(e.code.name.lower(), e.message)
+        except RequestFailed as e:
             await context.abort(e.code, e.message)
-        except NoWorkerError as e:
-            finished = True
-            timer.failed("no_worker", str(e))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
-            if not finished:  # the client left (cancelled, deadline) or the call broke
-                timer.failed("cancelled")
-
-    async def _colocated(
-        self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        assert self.colocated is not None
-        span = timer.span
-        worker = self.colocated.pick()
-        span.set_attribute("pdserve.colocated_worker", worker.address)
-        with self.colocated.track(worker):
-            call = worker.stub.Generate(
-                generate_pb2.GenerateRequest(
-                    token_ids=parsed.token_ids,
-                    request_id=worker_request_id(parsed.request_id),
-                    sampling=params_to_proto(parsed.params),
-                ),
-                timeout=timeout,
-                metadata=metadata_for_call(span),
-            )
-            try:
-                async for response in call:
-                    response.request_id = parsed.request_id
-                    yield response
-            except grpc.aio.AioRpcError as e:
-                raise _worker_error("colocated", worker.address, e) from None
-            finally:
-                call.cancel()
-
-    async def _disaggregated(
-        self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        assert self.prefill is not None and self.decode is not None
-        span = timer.span
-        rid = parsed.request_id
-        wid = worker_request_id(rid)
-        sampling = params_to_proto(parsed.params)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-
-        def remaining() -> float | None:
-            return None if deadline is None else max(0.0, deadline - loop.time())
-
-        worker = self.prefill.pick()
-        span.set_attribute("pdserve.prefill_worker", worker.address)
-        with self.prefill.track(worker):
-            call = worker.stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=wid, prompt_token_ids=parsed.token_ids, sampling=sampling
-                ),
-                timeout=remaining(),
-                metadata=metadata_for_call(span),
-            )
-            try:
-                prefilled = await call
-            except grpc.aio.AioRpcError as e:
-                raise _worker_error("prefill", worker.address, e) from None
-            finally:
-                call.cancel()
-        prompt_tokens = len(parsed.token_ids)
-        first = generate_pb2.GenerateResponse(
-            request_id=rid, token_ids=[prefilled.first_token_id], text=prefilled.text
-        )
-        if prefilled.finish_reason:
-            first.finish_reason = prefilled.finish_reason
-            first.usage.CopyFrom(usage(prompt_tokens, 1, prefilled.cached_tokens))
-            yield first
-            return
-
-        handle = prefilled.kv_handle
-        pulled = False  # decode's first message says the blocks are in place
-        try:
-            yield first
-            decoder = self.decode.pick()
-            span.set_attribute("pdserve.decode_worker", decoder.address)
-            completion = 1
-            with self.decode.track(decoder):
-                call = decoder.stub.Decode(
-                    decode_pb2.DecodeRequest(
-                        request_id=wid,
-                        prompt_token_ids=parsed.token_ids,
-                        first_token_id=prefilled.first_token_id,
-                        sampling=sampling,
-                        kv_handle=handle,
-                    ),
-                    timeout=remaining(),
-                    metadata=metadata_for_call(span),
-                )
-                try:
-                    async for step in call:
-                        if not pulled:
-                            pulled = True
-                            timer.handed_off()
-                        if not (step.token_ids or step.text or step.finish_reason):
-                            continue
-                        completion += len(step.token_ids)
-                        out = generate_pb2.GenerateResponse(
-                            request_id=rid, token_ids=step.token_ids, text=step.text
-                        )
-                        if step.finish_reason:
-                            out.finish_reason = step.finish_reason
-                            out.usage.CopyFrom(
-                                usage(prompt_tokens, completion, prefilled.cached_tokens)
-                            )
-                        yield out
-                except grpc.aio.AioRpcError as e:
-                    raise _worker_error("decode", decoder.address, e) from None
-                finally:
-                    call.cancel()
-        finally:
-            if not pulled:  # failed or cancelled before the pull: free prefill's blocks
-                self._release(worker, handle.lease_id)
-
-    def _release(self, worker: WorkerEndpoint, lease_id: str) -> None:
-        """Ask the prefill worker to free a lease, in the background (a lease that was
-        already pulled is a no-op there; one that cannot be reached expires)."""
-
-        async def release() -> None:
-            try:
-                await worker.stub.ReleaseKv(
-                    prefill_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5
-                )
-            except grpc.aio.AioRpcError as e:
-                logger.warning(
-                    "release of %s on %s failed: %s", lease_id, worker.address, e.details()
-                )
-
-        task = asyncio.ensure_future(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            await responses.aclose()

@@ -20,7 +20,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
-from pdserve.services.convert import params_from_proto
+from pdserve.services.convert import logprobs_to_proto, params_from_proto
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
 from pdserve.services.worker import Worker
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -106,6 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     token_ids=out.new_token_ids,
                     text=out.new_text,
                     finish_reason=out.finish_reason or "",
+                    logprobs=logprobs_to_proto(out.new_logprobs),
                 )
         finally:
             loop.close_stream(rid)

@@ -16,7 +16,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, record_phases, tracer
-from pdserve.services.convert import params_from_proto
+from pdserve.services.convert import logprobs_to_proto, params_from_proto
 from pdserve.services.prefill.leases import Lease, LeaseBusy, LeaseError, LeaseTable
 from pdserve.services.worker import Worker
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -89,6 +89,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 finish_reason=final.finish_reason or "",
                 cached_tokens=final.cached_tokens,
             )
+            if final.new_logprobs:
+                response.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs)[0])
             if final.finish_reason is None:  # PREFILLED: hand the blocks off
                 lease = self.leases.grant(req)
                 response.kv_handle.CopyFrom(self._handle(req, lease))

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -25,7 +26,7 @@ SMALL = ["--kv-cache-tokens", "8192"]
 
 def _serve(*args: str) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
-        [f"{BIN}/pdserve", "serve", "--port", "0", *SMALL, *args],
+        [f"{BIN}/pdserve", "serve", "--port", "0", "--http-port", "0", *SMALL, *args],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -71,6 +72,23 @@ def disaggregated():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+def test_http_api_answers_like_grpc(disaggregated):
+    """The README's curl call: the ready line's HTTP address serves the OpenAI API."""
+    _, ready = disaggregated
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16, "temperature": 0}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://{ready['http']}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        reply = json.load(response)
+    tokens = _greedy_tokens(ready["coordinator"], "What is the capital of France?")
+    assert reply["usage"]["completion_tokens"] == len(tokens)
+    assert "Paris" in reply["choices"][0]["message"]["content"]
 
 
 def test_ready_line_lists_every_process(disaggregated):

@@ -162,3 +162,21 @@ def test_logprobs_of_raw_distribution() -> None:
         assert [t for t, _ in lp.top] == indices.tolist()
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), values, atol=1e-5)
     assert out.logprobs[0].top[0][0] == out.token_ids[0]  # greedy: sampled is the best
+
+
+def test_banned_tokens_are_never_drawn_but_keep_their_logprobs() -> None:
+    logits = _logits(1, 4)[0]
+    top = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=t, logprobs=0) for t in (0.0, 0.0, 1.0, 1.0)]
+    banned = [frozenset({top[0]}), frozenset(), frozenset({top[2]}), frozenset()]
+    for seed in range(20):
+        out = Sampler().sample(logits, params, [_gen(seed)] * 4, banned)
+        assert out.token_ids[0] != top[0] and out.token_ids[1] == top[1]
+        assert out.token_ids[2] != top[2]
+    greedy = Sampler().sample(logits[:1], params[:1], [None], banned[:1])
+    second = logits[0].clone()
+    second[top[0]] = float("-inf")
+    assert greedy.token_ids == [int(second.argmax())]
+    raw = logits[0].log_softmax(dim=-1)[greedy.token_ids[0]].item()
+    assert greedy.logprobs[0] is not None
+    assert math.isclose(greedy.logprobs[0].logprob, raw, rel_tol=1e-5)

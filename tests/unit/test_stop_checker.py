@@ -120,3 +120,22 @@ def test_random_splits_match_reference() -> None:
         assert emitted == want == checker.text, (text, stops, deltas)
         assert results[-1].finished
         assert results[-1].finish_reason == ("stop" if found else "length")
+
+
+def test_min_tokens_holds_off_stop_tokens_and_strings() -> None:
+    checker = StopChecker(SamplingParams(max_tokens=50, min_tokens=3, stop=["END"]), [EOS])
+    assert checker.tokens_to_ban() == {EOS}
+    assert checker.check(EOS, "") == (False, None, "")
+    assert checker.check(TOKEN, "END") == (False, None, "END")
+    assert checker.tokens_to_ban() == {EOS}
+    assert checker.check(TOKEN, "x").finished is False  # the third token: still held off
+    assert checker.tokens_to_ban() == frozenset()
+    assert checker.check(TOKEN, " END").finish_reason == "stop"
+    assert checker.text == "ENDx "
+
+
+def test_min_tokens_must_fit_max_tokens() -> None:
+    from pdserve.common.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP API's requests: the fields of `/v1/chat/completions` and
+`/v1/completions` as the OpenAI API defines them, plus the extensions vLLM accepts (`top_k`,
+`ignore_eos`, `min_tokens`, `stop_token_ids`), turned into the `GenerateRequest`s of the
+coordinator's request path (one per choice). Types are checked here; ranges are checked by
+the same code as the gRPC API's, so both refuse a bad value with the same words.
+
+Choices we made where the API leaves room: unknown fields are ignored (as OpenAI's own
+server does); fields we do not implement (tools, penalties, logit_bias, echo, best_of,
+suffix) are refused when set to anything but their neutral value, naming the field; `n`
+choices run as n requests, and with a `seed` choice i uses `seed + i`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import MAX_LOGPROBS
+from pdserve.v1 import generate_pb2
+
+MAX_CHOICES = 16  # n x prompts per request
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions, as vLLM accepts them.
+    top_k: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    request_id: str | None = None
+    # Accepted only at their neutral values.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def _refuse_unsupported(self) -> None:
+        neutral = {
+            "frequency_penalty": (None, 0.0),
+            "presence_penalty": (None, 0.0),
+            "repetition_penalty": (None, 1.0),
+            "logit_bias": (None, {}),
+        }
+        for name, allowed in neutral.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidRequestError(name, "is not supported by this server")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError("n", f"must be between 1 and {MAX_CHOICES}, got {self.n}")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, choice: int) -> Any:
+        sampling = generate_pb2.SamplingParams(
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            ignore_eos=self.ignore_eos,
+        )
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k),
+            ("logprobs", logprobs),
+        ):
+            if value is not None:
+                setattr(sampling, name, value)
+        if self.seed is not None:
+            if not 0 <= self.seed < 2**63:
+                raise InvalidRequestError("seed", f"must be in [0, 2^63), got {self.seed}")
+            sampling.seed = self.seed + choice
+        if self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        sampling.min_tokens = self.min_tokens
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise InvalidRequestError("stop_token_ids", "must be token ids >= 0")
+        sampling.stop_token_ids.extend(self.stop_token_ids or ())
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be at least 1, got {max_tokens}")
+        return sampling
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content[{j}]",
+                    f"only text parts are supported, got type {part.get('type')!r}",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
+        self._refuse_unsupported()
+        if self.tools:
+            raise InvalidRequestError("tools", "tool calling is not supported by this server")
+        if self.response_format not in (None, {"type": "text"}):
+            raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    "top_logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}"
+                )
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise InvalidRequestError(
+                "max_completion_tokens", f"must be at least 1, got {self.max_completion_tokens}"
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        messages = [
+            generate_pb2.ChatMessage(role=m.role, content=m.text(i))
+            for i, m in enumerate(self.messages)
+        ]
+        return [
+            generate_pb2.GenerateRequest(
+                messages=messages, sampling=self._sampling(max_tokens, logprobs, choice)
+            )
+            for choice in range(self.n)
+        ]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
+        """Prompt-major: request k is prompt k // n, choice k % n."""
+        self._refuse_unsupported()
+        if self.echo:
+            raise InvalidRequestError("echo", "is not supported by this server")
+        if self.suffix:
+            raise InvalidRequestError("suffix", "is not supported by this server")
+        if self.best_of not in (None, 1, self.n):
+            raise InvalidRequestError("best_of", "must equal n (best-of selection is not done)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                "logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
+            )
+        prompts = self.prompts()
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices",
+            )
+        requests = []
+        for p in prompts:
+            for choice in range(self.n):
+                request = generate_pb2.GenerateRequest(
+                    sampling=self._sampling(self.max_tokens, self.logprobs, choice)
+                )
+                if isinstance(p, str):
+                    if not p:
+                        raise InvalidRequestError("prompt", "must not be empty")
+                    request.prompt = p
+                else:
+                    if any(t < 0 for t in p):
+                        raise InvalidRequestError("prompt", "token ids must be >= 0")
+                    request.token_ids.extend(p)
+                requests.append(request)
+        return requests

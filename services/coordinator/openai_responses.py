@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP API's responses: the coordinator's `GenerateResponse`s become
+chat / text completion objects and stream chunks, with usage (cached prompt tokens in
+`prompt_tokens_details`) and log-probabilities in each endpoint's own shape, and errors in
+OpenAI's `{"error": {...}}` shape."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.v1 import generate_pb2
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "internal_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class TokenTexts:
+    """Each token's own text, for log-probability entries (cached: a vocabulary is small)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: tokenizer.decode([token_id])
+        )
+
+    def __call__(self, token_id: int) -> str:
+        return self._decode(token_id)
+
+
+@dataclass
+class Choice:
+    """One choice's accumulated output."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    usage: generate_pb2.Usage | None = None
+    logprobs: list[generate_pb2.TokenLogprobs] = field(default_factory=list)
+
+
+def usage_dict(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Usage over all choices; a prompt's tokens count once however many choices (n) it
+    has, as OpenAI counts them."""
+    done = [c for c in choices if c.usage is not None]
+    firsts = [c.usage for c in done if c.index % n == 0]
+    prompt = sum(u.prompt_tokens for u in firsts)  # type: ignore[union-attr]
+    cached = sum(u.cached_tokens for u in firsts)  # type: ignore[union-attr]
+    completion = sum(c.usage.completion_tokens for c in done)  # type: ignore[union-attr]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class CompletionFormat:
+    """The fields that differ between `/v1/chat/completions` and `/v1/completions`."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, texts: TokenTexts) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.texts = texts
+        self.offsets: dict[int, int] = {}  # completions' text_offset, per choice
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def logprobs(self, index: int, entries: list[generate_pb2.TokenLogprobs]) -> Any:
+        if self.chat:
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        tokens = [self.texts(e.token_id) for e in entries]
+        offsets = []
+        offset = self.offsets.get(index, 0)
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        self.offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.texts(t.token_id): t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, entry: generate_pb2.TokenLogprobs) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.texts(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            **one(entry.token_id, entry.logprob),
+            "top_logprobs": [one(t.token_id, t.logprob) for t in entry.top],
+        }
+
+    def chunk(
+        self,
+        index: int,
+        response: generate_pb2.GenerateResponse,
+        first: bool,
+        want_logprobs: bool,
+        include_usage: bool,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            delta["content"] = response.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = (
+            self.logprobs(index, list(response.logprobs)) if want_logprobs else None
+        )
+        choice["finish_reason"] = response.finish_reason or None
+        out = {**self._head(chunk=True), "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, choices: list[Choice], n: int) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [], "usage": usage_dict(choices, n)}
+
+    def final(self, choices: list[Choice], n: int, want_logprobs: bool) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            entry: dict[str, Any] = {"index": c.index}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": c.text}
+            else:
+                entry["text"] = c.text
+            entry["logprobs"] = self.logprobs(c.index, c.logprobs) if want_logprobs else None
+            entry["finish_reason"] = c.finish_reason
+            out.append(entry)
+        return {**self._head(chunk=False), "choices": out, "usage": usage_dict(choices, n)}

@@ -1,0 +1,296 @@
+"""The coordinator's request path, shared by its gRPC and HTTP fronts.
+
+1. validate and tokenize (`Frontend`); 2. pick a prefill worker and call `Prefill`; 3. send
+the first token to the client at once; 4. pick a decode worker and call `Decode` with the KV
+handle; 5. relay its tokens, then the finish reason and usage. (Colocated: one `Generate`
+call to one worker.) The client's deadline goes to every worker call; a client that leaves
+cancels the worker call in flight, which frees the request's blocks there. Failures end as
+one `RequestFailed` carrying a gRPC status code; each front maps it to its own errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from opentelemetry.trace import SpanKind
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
+from pdserve.services.convert import params_to_proto
+from pdserve.services.coordinator.metrics import RequestTimer
+from pdserve.services.coordinator.router import NoWorkerError, WorkerEndpoint, WorkerPool
+from pdserve.services.frontend import ContextLengthError, Frontend, ParsedRequest, usage
+from pdserve.v1 import decode_pb2, generate_pb2, prefill_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(Exception):
+    """A request that cannot go on: `code` says why, `field` names a bad input field."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        context_length: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+        self.context_length = context_length  # the prompt does not fit the context
+
+
+def request_attributes(request: generate_pb2.GenerateRequest, model: str) -> dict:
+    """The OpenTelemetry GenAI attributes known when a request arrives."""
+    sampling = request.sampling
+    attributes: dict = {
+        "gen_ai.operation.name": "chat" if request.messages else "text_completion",
+        "gen_ai.request.model": model,
+    }
+    if sampling.HasField("max_tokens"):
+        attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
+    if sampling.HasField("temperature"):
+        attributes["gen_ai.request.temperature"] = sampling.temperature
+    return attributes
+
+
+def worker_request_id(request_id: str) -> str:
+    """The id workers see: the client's plus a random suffix, so two clients that pick the
+    same id never collide on a worker."""
+    return f"{request_id}.{secrets.token_hex(4)}"
+
+
+def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> RequestFailed:
+    return RequestFailed(e.code(), f"{role} worker {address}: {e.details()}")
+
+
+class Coordinator:
+    """Routes requests over a prefill and a decode pool, or over colocated workers. At most
+    `max_inflight` requests are in flight; past that a request is refused at once
+    (RESOURCE_EXHAUSTED) rather than queued without bound."""
+
+    def __init__(
+        self,
+        frontend: Frontend,
+        prefill: WorkerPool | None = None,
+        decode: WorkerPool | None = None,
+        colocated: WorkerPool | None = None,
+        model: str = "",
+        worker_id: str = "coordinator",
+        max_inflight: int = 1024,
+    ) -> None:
+        if colocated is None and (prefill is None or decode is None):
+            raise ValueError("workers: give prefill and decode workers, or colocated ones")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight: must be at least 1, got {max_inflight}")
+        self.frontend = frontend
+        self.prefill = prefill
+        self.decode = decode
+        self.colocated = colocated
+        self.model = model
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        self._background: set[asyncio.Task[None]] = set()
+        self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
+
+    async def generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        trace_carrier: Iterable[tuple[str, str | bytes]] | None = None,
+        timeout: float | None = None,
+        fill_context: bool = False,
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The request's responses; raises `RequestFailed`. `trace_carrier` holds the
+        caller's headers or metadata (a `traceparent` there becomes the parent span);
+        `fill_context`: see `Frontend.parse`."""
+        span = tracer().start_span(
+            "pdserve.generate",
+            context=context_from_metadata(trace_carrier),
+            kind=SpanKind.SERVER,
+            attributes=request_attributes(request, self.model),
+        )
+        timer = RequestTimer(self.metric_labels, span)
+        timer.request_id = request.request_id
+        if self.inflight >= self.max_inflight:
+            message = (
+                f"coordinator: {self.inflight} requests in flight, the limit "
+                f"(--max-inflight-requests {self.max_inflight}); retry later"
+            )
+            timer.failed("overloaded", message)
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        try:
+            parsed = self.frontend.parse(request, fill_context)
+        except InvalidRequestError as e:
+            timer.failed("invalid_argument", str(e))
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                str(e),
+                e.field,
+                context_length=isinstance(e, ContextLengthError),
+            ) from None
+        span.set_attribute("pdserve.request_id", parsed.request_id)
+        timer.request_id = parsed.request_id
+        path = self._colocated if self.colocated is not None else self._disaggregated
+        finished = False
+        self.inflight += 1
+        try:
+            async for response in path(parsed, timeout, timer):
+                timer.on_tokens(len(response.token_ids))
+                if response.finish_reason:
+                    finished = True
+                    timer.finished(
+                        response.finish_reason,
+                        len(parsed.token_ids),
+                        response.usage.cached_tokens,
+                    )
+                yield response
+        except RequestFailed as e:
+            finished = True
+            timer.failed(e.code.name.lower(), e.message)
+            raise
+        except NoWorkerError as e:
+            finished = True
+            timer.failed("no_worker", str(e))
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        finally:
+            self.inflight -= 1
+            if not finished:  # the client left (cancelled, deadline) or the call broke
+                timer.failed("cancelled")
+
+    async def _colocated(
+        self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        assert self.colocated is not None
+        span = timer.span
+        worker = self.colocated.pick()
+        span.set_attribute("pdserve.colocated_worker", worker.address)
+        with self.colocated.track(worker):
+            call = worker.stub.Generate(
+                generate_pb2.GenerateRequest(
+                    token_ids=parsed.token_ids,
+                    request_id=worker_request_id(parsed.request_id),
+                    sampling=params_to_proto(parsed.params),
+                ),
+                timeout=timeout,
+                metadata=metadata_for_call(span),
+            )
+            try:
+                async for response in call:
+                    response.request_id = parsed.request_id
+                    yield response
+            except grpc.aio.AioRpcError as e:
+                raise _worker_error("colocated", worker.address, e) from None
+            finally:
+                call.cancel()
+
+    async def _disaggregated(
+        self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        assert self.prefill is not None and self.decode is not None
+        span = timer.span
+        rid = parsed.request_id
+        wid = worker_request_id(rid)
+        sampling = params_to_proto(parsed.params)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - loop.time())
+
+        worker = self.prefill.pick()
+        span.set_attribute("pdserve.prefill_worker", worker.address)
+        with self.prefill.track(worker):
+            call = worker.stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=wid, prompt_token_ids=parsed.token_ids, sampling=sampling
+                ),
+                timeout=remaining(),
+                metadata=metadata_for_call(span),
+            )
+            try:
+                prefilled = await call
+            except grpc.aio.AioRpcError as e:
+                raise _worker_error("prefill", worker.address, e) from None
+            finally:
+                call.cancel()
+        prompt_tokens = len(parsed.token_ids)
+        first = generate_pb2.GenerateResponse(
+            request_id=rid, token_ids=[prefilled.first_token_id], text=prefilled.text
+        )
+        if prefilled.HasField("first_logprobs"):
+            first.logprobs.append(prefilled.first_logprobs)
+        if prefilled.finish_reason:
+            first.finish_reason = prefilled.finish_reason
+            first.usage.CopyFrom(usage(prompt_tokens, 1, prefilled.cached_tokens))
+            yield first
+            return
+
+        handle = prefilled.kv_handle
+        pulled = False  # decode's first message says the blocks are in place
+        try:
+            yield first
+            decoder = self.decode.pick()
+            span.set_attribute("pdserve.decode_worker", decoder.address)
+            completion = 1
+            with self.decode.track(decoder):
+                call = decoder.stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        request_id=wid,
+                        prompt_token_ids=parsed.token_ids,
+                        first_token_id=prefilled.first_token_id,
+                        sampling=sampling,
+                        kv_handle=handle,
+                    ),
+                    timeout=remaining(),
+                    metadata=metadata_for_call(span),
+                )
+                try:
+                    async for step in call:
+                        if not pulled:
+                            pulled = True
+                            timer.handed_off()
+                        if not (step.token_ids or step.text or step.finish_reason):
+                            continue
+                        completion += len(step.token_ids)
+                        out = generate_pb2.GenerateResponse(
+                            request_id=rid,
+                            token_ids=step.token_ids,
+                            text=step.text,
+                            logprobs=step.logprobs,
+                        )
+                        if step.finish_reason:
+                            out.finish_reason = step.finish_reason
+                            out.usage.CopyFrom(
+                                usage(prompt_tokens, completion, prefilled.cached_tokens)
+                            )
+                        yield out
+                except grpc.aio.AioRpcError as e:
+                    raise _worker_error("decode", decoder.address, e) from None
+                finally:
+                    call.cancel()
+        finally:
+            if not pulled:  # failed or cancelled before the pull: free prefill's blocks
+                self._release(worker, handle.lease_id)
+
+    def _release(self, worker: WorkerEndpoint, lease_id: str) -> None:
+        """Ask the prefill worker to free a lease, in the background (a lease that was
+        already pulled is a no-op there; one that cannot be reached expires)."""
+
+        async def release() -> None:
+            try:
+                await worker.stub.ReleaseKv(
+                    prefill_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5
+                )
+            except grpc.aio.AioRpcError as e:
+                logger.warning(
+                    "release of %s on %s failed: %s", lease_id, worker.address, e.details()
+                )
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
