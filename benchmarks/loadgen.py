@@ -1,11 +1,13 @@
 """The load generator behind `serve.py`: open-loop arrival schedules, fresh random prompts,
-one streamed request timed token by token, percentiles and goodput, and CPU accounting of
-the system under test (so figures on a shared machine can be read with the load beside them).
+one streamed request timed token by token (over any OpenAI-compatible HTTP server's
+`/v1/completions`), percentiles and goodput, and CPU accounting of the system under test (so
+figures on a shared machine can be read with the load beside them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -13,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
+import aiohttp
 import numpy as np
-
-from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 VOCAB_SIZE = 49152
 FIRST_ID = 100  # ids below this are special tokens in SmolLM2's vocabulary; keep away
@@ -66,14 +66,17 @@ def fresh_prompt(seed: int, system: str, tag: str, index: int, length: int) -> l
     return [rng.randrange(FIRST_ID, VOCAB_SIZE) for _ in range(length)]
 
 
-def build_request(request_id: str, tokens: list[int], max_tokens: int) -> Any:
-    return generate_pb2.GenerateRequest(
-        token_ids=tokens,
-        request_id=request_id,
-        sampling=generate_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        ),
-    )
+def completion_body(model: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streamed, greedy `/v1/completions` request that generates exactly `max_tokens`."""
+    return {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 @dataclass
@@ -116,30 +119,58 @@ class Record:
 
 
 async def run_request(
-    stub: generate_pb2_grpc.GenerateServiceStub, request: Any, record: Record, deadline: float
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: dict[str, Any],
+    record: Record,
+    deadline: float,
 ) -> None:
+    """POST one streamed completion and time it: `first` is the first event carrying a
+    choice, `last` the last one; the token count is the server's own (`usage`)."""
     loop = asyncio.get_running_loop()
     record.sent = loop.time()
-    call = stub.Generate(request, timeout=max(0.1, deadline - record.sent))
+    timeout = aiohttp.ClientTimeout(total=max(0.1, deadline - record.sent))
+    chunks = 0
     try:
-        async for response in call:
-            now = loop.time()
-            if response.token_ids:
-                if record.first is None:
-                    record.first = now
-                record.last = now
-                record.tokens += len(response.token_ids)
-            if response.finish_reason:
-                record.finish_reason = response.finish_reason
-                record.cached_tokens = response.usage.cached_tokens
+        async with session.post(f"{base_url}/completions", json=body, timeout=timeout) as r:
+            if r.status != 200:
+                record.error = f"http_{r.status}"
+                record.error_detail = (await r.text())[:300]
+                return
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    record.error = "stream_error"
+                    record.error_detail = str(event["error"])[:300]
+                    return
+                now = loop.time()
+                for choice in event.get("choices") or ():
+                    chunks += 1
+                    if record.first is None:
+                        record.first = now
+                    record.last = now
+                    if choice.get("finish_reason"):
+                        record.finish_reason = choice["finish_reason"]
+                usage = event.get("usage")
+                if usage:
+                    record.tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens") or 0
         record.done = loop.time()
+        if not record.tokens:  # a server that sends no usage: one token per event
+            record.tokens = chunks
         if record.finish_reason != "length" or record.tokens != record.spec.output_len:
             record.error = f"short_output:{record.finish_reason or 'none'}"
-    except grpc.aio.AioRpcError as e:
-        record.error = e.code().name.lower()
-        record.error_detail = str(e.details() or "")[:300]
-    finally:
-        call.cancel()
+    except TimeoutError:
+        record.error = "deadline_exceeded"
+    except aiohttp.ClientError as e:
+        record.error = "connection"
+        record.error_detail = str(e)[:300]
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -243,9 +274,11 @@ class CpuSample:
     client_s: float
 
     @classmethod
-    def take(cls, server_pid: int) -> CpuSample:
+    def take(cls, server_pid: int | None) -> CpuSample:
+        """`server_pid`: the root of the system under test (None: not ours to watch)."""
         busy, total = machine_jiffies()
-        return cls(time.monotonic(), busy, total, tree_cpu_s(server_pid), time.process_time())
+        server = tree_cpu_s(server_pid) if server_pid is not None else 0.0
+        return cls(time.monotonic(), busy, total, server, time.process_time())
 
     def since(self, before: CpuSample) -> dict[str, float]:
         """Cores in use on average between two samples: the whole machine, the system under

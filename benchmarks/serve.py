@@ -1,11 +1,16 @@
-"""Online serving benchmark: colocated vs disaggregated pdserve under open-loop Poisson load.
+"""Online serving benchmark: pdserve (colocated, and 1 prefill + 1 decode) and vLLM's CPU
+server (its default of one core kept for its API server, and its engine on both cores) under
+the same open-loop Poisson load, one after the other in one run, through one load generator
+that speaks the OpenAI HTTP API (streamed `/v1/completions`), so any OpenAI-compatible server
+can be measured the same way (`--base-url`).
 
-For each system (`colocated`: one engine doing prefill and decode; `disaggregated`: one
-prefill and one decode worker, the KV blocks handed over between them), this program starts
-the whole system with `pdserve serve --port 0`, waits for its "ready" line, sends a short
-warm-up, then drives the same workload at each offered rate and stops the system (SIGTERM)
-before starting the next. It prints ONE JSON object on stdout (progress on stderr) and writes a
-PNG plot.
+For each system this program starts it (`pdserve serve --port 0 --http-port 0`, reading its
+"ready" line; or the vLLM anchor script's `serve` on a free port, ready once `/v1/models`
+answers), sends a short warm-up, drives the same workload at each offered rate, and stops it
+(SIGTERM to its process group) before starting the next. vLLM systems run when the anchor
+(`../shared/anchors/vllm_cpu.sh`, or PDSERVE_VLLM_ANCHOR) and its venv exist, on pdserve's
+de-quantized default model folder. It prints ONE JSON object on stdout (progress on stderr)
+and writes a PNG plot.
 
 Workload, per rate (the same for every system: lengths and arrival times are seeded by `--seed`
 and the rate only): arrivals are Poisson (exponential gaps) for `--duration` seconds (or exactly
@@ -15,15 +20,17 @@ in `--prompt-len`, ids in [100, 49152) so no special token), outputs are uniform
 `--output-len` tokens with `ignore_eos` so every request generates exactly that many, greedy.
 Both systems cache prompt prefixes, so every prompt of every rate and every system is drawn
 fresh (its own seed): nothing is served from the prefix cache (`cached_tokens` in the output
-checks it). Each request is its own asyncio task on one grpc.aio channel; the sender never waits
-for answers (open loop). After the arrival window, in-flight requests get `--drain-timeout`
-seconds to finish (their gRPC deadline), the rest count as failures. By default that is SLO_TTFT
-+ (longest output - 1) x SLO_TPOT + 5 s: a request still running then could not have met both
-SLOs, so the cut changes no goodput figure, only bounds the run.
+checks it). Each request is its own asyncio task on one aiohttp session with no connection
+limit; the sender never waits for answers (open loop). After the arrival window, in-flight
+requests get `--drain-timeout` seconds to finish (their deadline), the rest count as
+failures. By default that is SLO_TTFT + (longest output - 1) x SLO_TPOT + 5 s: a request
+still running then could not have met both SLOs, so the cut changes no goodput figure, only
+bounds the run.
 
-Per request: TTFT = send -> first streamed response carrying a token; TPOT = (last token time
-- first token time) / (output tokens - 1), the mean gap between tokens after the first;
-e2e = send -> last response. Per system and rate (`systems.<name>.rates[]`):
+Per request: TTFT = send -> first streamed event carrying a choice; TPOT = (last such event
+- first) / (output tokens - 1), the mean gap between tokens after the first (the token count
+is the server's `usage`); e2e = send -> end of stream. Per system and rate
+(`systems.<name>.rates[]`):
 
 - `ttft_s`, `tpot_s`, `e2e_s`: p50 / p90 / p99 / mean over the completed requests (failed ones
   are not in them: read `failed` alongside, at overload it is where the tail went).
@@ -60,9 +67,13 @@ prefill worker has one core, so its TTFT grows first once prompts arrive faster 
 prefills them. Where the goodput line leaves the diagonal is the system's usable capacity
 under these SLOs.
 
-    .venv/bin/python benchmarks/serve.py > serve.json           # ~10 minutes on 2 cores
-    .venv/bin/python benchmarks/serve.py --quick                # ~3 minute smoke run
+`summary.pdserve_over_vllm` holds the ratio of the best pdserve mode's best goodput to the
+better vLLM setting's.
+
+    .venv/bin/python benchmarks/serve.py > serve.json      # ~10 min per system on 2 cores
+    .venv/bin/python benchmarks/serve.py --quick           # ~3 minute smoke run per system
     .venv/bin/python benchmarks/serve.py --systems disaggregated --rates 0.5,1
+    .venv/bin/python benchmarks/serve.py --systems '' --base-url http://127.0.0.1:8000/v1
 """
 
 from __future__ import annotations
@@ -73,19 +84,21 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-import grpc
+import aiohttp
 from loadgen import (  # benchmarks/loadgen.py, beside this script
     CpuSample,
     Record,
     Spec,
-    build_request,
+    completion_body,
     fresh_prompt,
     make_schedule,
     run_request,
@@ -93,12 +106,23 @@ from loadgen import (  # benchmarks/loadgen.py, beside this script
 )
 from machine import cpu_name
 
-from pdserve.v1 import generate_pb2_grpc
-
-SYSTEMS: dict[str, list[str]] = {
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VLLM_ANCHOR = Path(
+    os.environ.get("PDSERVE_VLLM_ANCHOR", REPO_ROOT.parent / "shared" / "anchors" / "vllm_cpu.sh")
+)
+VLLM_VENV = Path(
+    os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "pdserve-anchors" / "vllm-cpu")
+)
+# pdserve systems: flags of `pdserve serve`. vLLM systems: environment of the anchor's server.
+PDSERVE_SYSTEMS: dict[str, list[str]] = {
     "colocated": ["--colocated"],
     "disaggregated": ["--prefill", "1", "--decode", "1"],
 }
+VLLM_SYSTEMS: dict[str, dict[str, str]] = {
+    "vllm": {},  # its default: one core kept back for its API server
+    "vllm-2core": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+}
+SYSTEMS = [*PDSERVE_SYSTEMS, *VLLM_SYSTEMS]
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 PAUSE_BETWEEN_RATES_S = 2.0
@@ -128,10 +152,16 @@ def int_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def default_systems() -> str:
+    """pdserve's two modes, and vLLM's two core settings when its anchor is set up."""
+    have_vllm = VLLM_ANCHOR.exists() and (VLLM_VENV / "bin" / "python").exists()
+    return ",".join(SYSTEMS if have_vllm else PDSERVE_SYSTEMS)
+
+
 def system_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
-    if unknown or not names:
+    if unknown:
         raise argparse.ArgumentTypeError(f"systems are {', '.join(SYSTEMS)}; got {text!r}")
     return names
 
@@ -151,36 +181,47 @@ def system_list(text: str) -> list[str]:
 # ---- the system under test ---------------------------------------------------------------
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 class Server:
-    """`pdserve serve` in its own session; stdout's "ready" line gives the coordinator."""
+    """A system under test in its own session: `pdserve serve` (its "ready" line gives the
+    HTTP address) or vLLM's server through the anchor script (ready once `/v1/models`
+    answers)."""
 
     def __init__(self, system: str, args: argparse.Namespace, log_path: Path) -> None:
         self.system = system
         self.log_path = log_path
-        self.command = [
-            sys.executable,
-            "-m",
-            "pdserve.services.cli",
-            "serve",
-            *SYSTEMS[system],
-            "--port",
-            "0",
-            "--kv-cache-gb",
-            str(args.kv_cache_gb),
-            *args.serve_arg,
-        ]
+        env = dict(os.environ)
+        if system in PDSERVE_SYSTEMS:
+            self.command = [
+                sys.executable, "-m", "pdserve.services.cli", "serve",
+                *PDSERVE_SYSTEMS[system], "--port", "0", "--http-port", "0",
+                "--kv-cache-gb", str(args.kv_cache_gb), *args.serve_arg,
+            ]  # fmt: skip
+            self.port = 0
+        else:
+            self.port = free_port()
+            self.command = ["bash", str(VLLM_ANCHOR), "serve", str(args.model_dir), str(self.port)]
+            env.update(VLLM_SYSTEMS[system])
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_gb))))
         self._log: IO[str] = log_path.open("w")
         self.proc = subprocess.Popen(
             self.command,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
+            env=env,
             start_new_session=True,  # our Ctrl-C reaches it through stop(), never twice
         )
-        self.ready: dict[str, Any] = {}
+        self.base_url = ""
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        box: list[dict[str, Any]] = []
+    def wait_ready(self, timeout_s: float) -> str:
+        """The server's `/v1` base URL once it serves."""
+        box: list[str] = []
 
         def read() -> None:
             assert self.proc.stdout is not None
@@ -188,25 +229,28 @@ class Server:
                 try:
                     event = json.loads(line)
                 except json.JSONDecodeError:
+                    self._log.write(line)
                     continue
                 if isinstance(event, dict) and event.get("event") == "ready":
-                    box.append(event)
+                    box.append(f"http://{event['http']}/v1")
                     break
             self.proc.stdout.read()  # keep draining so it never blocks on a full pipe
 
         threading.Thread(target=read, daemon=True).start()
+        if self.port:
+            box.append(f"http://127.0.0.1:{self.port}/v1")
         deadline = time.monotonic() + timeout_s
-        while not box:
+        while not box or not models_answer(box[0]):
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"{self.system}: pdserve serve exited with code {self.proc.returncode}; "
+                    f"{self.system}: server exited with code {self.proc.returncode}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.system}: not ready after {timeout_s:.0f} s")
-            time.sleep(0.2)
-        self.ready = box[0]
-        return self.ready
+            time.sleep(1.0)
+        self.base_url = box[0]
+        return self.base_url
 
     def log_tail(self, lines: int = 20) -> str:
         self._log.flush()
@@ -214,19 +258,29 @@ class Server:
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: it and its workers
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 log(f"{self.system}: still running {STOP_TIMEOUT_S:.0f} s after SIGTERM; killing")
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: it and its workers
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
 
 
+def models_answer(base_url: str) -> list[str]:
+    """The model ids `GET /v1/models` lists, or [] while the server is not up."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as r:
+            return [m["id"] for m in json.load(r)["data"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
 async def run_rate(
-    address: str,
+    base_url: str,
+    model: str,
     system: str,
     rate: float,
     specs: list[Spec],
@@ -234,27 +288,26 @@ async def run_rate(
     args: argparse.Namespace,
 ) -> list[Record]:
     tag = f"rate{rate!r}"
-    requests = [
-        build_request(
-            f"bench-{system}-{tag}-{s.index}",
-            fresh_prompt(args.seed, system, tag, s.index, s.prompt_len),
-            s.output_len,
-        )
+    bodies = [
+        completion_body(model, fresh_prompt(args.seed, system, tag, s.index, s.prompt_len),
+                        s.output_len)
         for s in specs
-    ]
+    ]  # fmt: skip
     records = [Record(s) for s in specs]
     loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue in the client
+    async with aiohttp.ClientSession(connector=connector) as session:
         start = loop.time() + 0.05
         deadline = start + window_s + args.drain_timeout
         tasks: list[asyncio.Task[None]] = []
-        for spec, request, record in zip(specs, requests, records, strict=True):
+        for spec, body, record in zip(specs, bodies, records, strict=True):
             record.scheduled = start + spec.arrival_s
             delay = record.scheduled - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(run_request(stub, request, record, deadline)))
+            tasks.append(
+                asyncio.create_task(run_request(session, base_url, body, record, deadline))
+            )
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()) + 5)
             for task in pending:
@@ -266,20 +319,20 @@ async def run_rate(
     return records
 
 
-async def warm_up(address: str, system: str, args: argparse.Namespace) -> None:
+async def warm_up(base_url: str, model: str, system: str, args: argparse.Namespace) -> None:
     """Two concurrent requests of the longest prompt, not measured: the first forward passes
     pay one-off costs (weight packing, allocator growth) that the rates should not."""
     specs = [Spec(i, 0.0, args.prompt_len[1], 16) for i in range(2)]
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        records = [Record(s) for s in specs]
-        deadline = asyncio.get_running_loop().time() + 120
+    records = [Record(s) for s in specs]
+    deadline = asyncio.get_running_loop().time() + 180
+    async with aiohttp.ClientSession() as session:
         await asyncio.gather(
             *(
                 run_request(
-                    stub,
-                    build_request(
-                        f"warmup-{system}-{s.index}",
+                    session,
+                    base_url,
+                    completion_body(
+                        model,
                         fresh_prompt(args.seed, system, "warmup", s.index, s.prompt_len),
                         s.output_len,
                     ),
@@ -289,7 +342,7 @@ async def warm_up(address: str, system: str, args: argparse.Namespace) -> None:
                 for s, r in zip(specs, records, strict=True)
             )
         )
-    bad = [r.error for r in records if not r.ok]
+    bad = [f"{r.error} {r.error_detail}" for r in records if not r.ok]
     if bad:
         raise RuntimeError(f"{system}: warm-up failed: {bad}")
 
@@ -297,25 +350,35 @@ async def warm_up(address: str, system: str, args: argparse.Namespace) -> None:
 def bench_system(
     system: str, schedules: dict[float, tuple[list[Spec], float]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    log_path = args.out_dir / f"serve-{system}.log"
-    log(f"{system}: starting pdserve serve (log {log_path})")
+    """Start `system` (or use --base-url's server), warm it up, run every rate, stop it."""
+    server: Server | None = None
+    result: dict[str, Any] = {}
     t0 = time.monotonic()
-    server = Server(system, args, log_path)
-    result: dict[str, Any] = {"command": " ".join(server.command[3:]), "log": str(log_path)}
     try:
-        ready = server.wait_ready(START_TIMEOUT_S)
-        address = ready["coordinator"]
+        if system == args.name and args.base_url:
+            base_url = args.base_url.rstrip("/")
+            result["base_url"] = base_url
+        else:
+            log_path = args.out_dir / f"serve-{system}.log"
+            log(f"{system}: starting (log {log_path})")
+            server = Server(system, args, log_path)
+            result.update(command=" ".join(server.command), log=str(log_path))
+            base_url = server.wait_ready(START_TIMEOUT_S)
+        models = models_answer(base_url)
+        if not models:
+            raise RuntimeError(f"{system}: {base_url}/models lists no model")
+        model = result["model"] = models[0]
         result["start_s"] = round(time.monotonic() - t0, 1)
-        result["processes"] = ["coordinator", *(w["role"] for w in ready.get("workers", []))]
-        log(f"{system}: ready at {address} in {result['start_s']} s; warming up")
-        asyncio.run(warm_up(address, system, args))
+        log(f"{system}: serving {model} at {base_url} ({result['start_s']} s); warming up")
+        asyncio.run(warm_up(base_url, model, system, args))
         rates = []
+        pid = server.proc.pid if server is not None else None
         for rate, (specs, window) in schedules.items():
             log(f"{system}: rate {rate} req/s, {len(specs)} requests over {window:.0f} s")
-            before = CpuSample.take(server.proc.pid)
-            records = asyncio.run(run_rate(address, system, rate, specs, window, args))
+            before = CpuSample.take(pid)
+            records = asyncio.run(run_rate(base_url, model, system, rate, specs, window, args))
             summary = summarize(rate, records, window, args.slo_ttft, args.slo_tpot)
-            summary["cpu"] = CpuSample.take(server.proc.pid).since(before)
+            summary["cpu"] = CpuSample.take(pid).since(before)
             rates.append(summary)
             log(
                 f"{system}: rate {rate}: goodput {summary['goodput_rps']} req/s "
@@ -325,14 +388,15 @@ def bench_system(
                 f"failed {summary['failed']}; cores: server {summary['cpu']['server_cores']}, "
                 f"others {summary['cpu']['other_cores']}"
             )
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"{system}: pdserve serve died:\n{server.log_tail()}")
+            if server is not None and server.proc.poll() is not None:
+                raise RuntimeError(f"{system}: the server died:\n{server.log_tail()}")
             time.sleep(PAUSE_BETWEEN_RATES_S)
         result["rates"] = rates
     finally:
-        code = server.stop()
-        result["exit_code"] = code
-        log(f"{system}: stopped (exit code {code})")
+        if server is not None:
+            code = server.stop()
+            result["exit_code"] = code
+            log(f"{system}: stopped (exit code {code})")
     return result
 
 
@@ -410,8 +474,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--systems",
         type=system_list,
-        default=",".join(SYSTEMS),
-        help="comma-separated, run in this order: " + ", ".join(SYSTEMS),
+        default=default_systems(),
+        help="comma-separated, run in this order, from: " + ", ".join(SYSTEMS) + " (vllm: "
+        "its default of one core kept for its API server; vllm-2core: its engine on both; "
+        "default: all four when the vLLM anchor is set up, else pdserve's two)",
+    )
+    g.add_argument(
+        "--base-url",
+        default=None,
+        help="also (or with --systems '') only: an OpenAI-compatible server already running "
+        "at this /v1 base URL, e.g. http://127.0.0.1:8000/v1",
+    )
+    g.add_argument("--name", default="external", help="the --base-url server's name in the output")
+    g.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="model folder for vLLM (default: pdserve's de-quantized default model)",
     )
     g.add_argument(
         "--quick",
@@ -473,6 +552,14 @@ def main() -> int:
         args.output_len = (32, 64)
     if args.drain_timeout is None:
         args.drain_timeout = args.slo_ttft + (args.output_len[1] - 1) * args.slo_tpot + 5.0
+    if args.base_url:
+        args.systems = [*args.systems, args.name]
+    if not args.systems:
+        raise SystemExit("serve.py: no system to run (--systems is empty and no --base-url)")
+    if any(s in VLLM_SYSTEMS for s in args.systems) and args.model_dir is None:
+        from pdserve.common.model_files import resolve_model
+
+        args.model_dir = resolve_model(None)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_path = args.plot or args.out_dir / "serve.png"
     schedules = {
@@ -548,6 +635,23 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             "mean_other_cores": round(sum(r["cpu"]["other_cores"] for r in rows) / len(rows), 2)
             if rows
             else None,
+        }
+    best = {
+        group: max(
+            (n for n in out if (n in PDSERVE_SYSTEMS) == (group == "pdserve")
+             and n in (*PDSERVE_SYSTEMS, *VLLM_SYSTEMS)),
+            key=lambda n: out[n]["max_goodput_rps"] or 0.0,
+            default=None,
+        )
+        for group in ("pdserve", "vllm")
+    }  # fmt: skip
+    if best["pdserve"] and best["vllm"]:
+        ours = out[best["pdserve"]]["max_goodput_rps"] or 0.0
+        theirs = out[best["vllm"]]["max_goodput_rps"] or 0.0
+        out["pdserve_over_vllm"] = {
+            "pdserve_best": best["pdserve"],
+            "vllm_best": best["vllm"],
+            "max_goodput_ratio": round(ours / theirs, 3) if theirs else None,
         }
     return out
 
