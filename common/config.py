@@ -53,6 +53,8 @@ class EngineConfig:
     # None: the model's own limit (max_position_embeddings).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts).
+    count_expert_tokens: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

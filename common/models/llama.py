@@ -1,4 +1,7 @@
-"""Our forward pass for the Llama family (Llama, Mistral, Qwen2 with its q/k/v bias).
+"""Our forward pass for the Llama family (Llama, Mistral, Qwen2 with its q/k/v bias) and the
+mixture-of-experts models built on the same decoder layer (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE): what differs between them is data in `families.py`, and the feed-forward part of
+each layer (dense MLP or MoE block) comes from `moe.py`.
 
 The model runner calls `forward` once per engine step on a flattened batch: every scheduled
 token of every request in one [T] vector with its position and its KV slot. Each layer writes
@@ -7,7 +10,9 @@ from the blocks, prefill chunks over the cached prefix plus themselves). Only th
 that sample a token go through the LM head (`compute_logits`).
 
 Weights come from the Hugging Face state dict; q/k/v and gate/up are fused into one matmul
-each. Arithmetic follows transformers' Llama (RMSNorm in float32, rotate-half RoPE), which
+each. Families with q/k norms (OLMoE over the whole projection, Qwen3-MoE per head) apply
+them, and OLMoE's optional clamp, between the qkv matmul and the rotary embedding.
+Arithmetic follows transformers' Llama (RMSNorm in float32, rotate-half RoPE), which
 is the oracle the tests compare against."""
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from pdserve.common.models.attention import AttentionMetadata, paged_attention
+from pdserve.common.models.expert_stats import ExpertTokenCounter
+from pdserve.common.models.families import family_for
 from pdserve.common.models.linear import Linear
+from pdserve.common.models.moe import Mlp, SparseMoeBlock, load_mlp
 from pdserve.kernels import fused_ops as fused
 
 
@@ -30,8 +38,9 @@ class LayerWeights:
     qkv: Linear
     o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    mlp: Mlp
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaForCausalLM:
@@ -42,6 +51,7 @@ class LlamaForCausalLM:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        self.family = family_for(config)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -51,6 +61,9 @@ class LlamaForCausalLM:
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        clip = getattr(config, "clip_qkv", None) if self.family.clip_qkv else None
+        self.clip_qkv: float | None = clip
 
         def take(name: str) -> torch.Tensor:
             return state_dict[name].to(device=device, dtype=dtype).contiguous()
@@ -70,18 +83,23 @@ class LlamaForCausalLM:
                 bias = torch.cat(
                     [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
                 ).contiguous()
+            qk_norms = {}
+            if self.family.qk_norm != "none":
+                qk_norms = {n: take(p + f"self_attn.{n}.weight") for n in ("q_norm", "k_norm")}
+            o_bias = p + "self_attn.o_proj.bias"
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
                     qkv=Linear(
                         torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), bias
                     ),
-                    o_proj=Linear(take(p + "self_attn.o_proj.weight")),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+                    o_proj=Linear(
+                        take(p + "self_attn.o_proj.weight"),
+                        take(o_bias) if o_bias in state_dict else None,
                     ),
-                    down=Linear(take(p + "mlp.down_proj.weight")),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    mlp=load_mlp(config, self.family, i, take, state_dict),
+                    **qk_norms,
                 )
             )
         self.cos_sin = self._rope_cache(config, device)
@@ -117,7 +135,10 @@ class LlamaForCausalLM:
                 x = fused.rms_norm(residual, w.input_norm, self.eps)
             else:
                 x, residual = fused.add_rms_norm(hidden, residual, w.input_norm, self.eps)
-            qkv = fused.rotary(w.qkv(x), positions, self.cos_sin, rotated_heads, self.head_dim)
+            qkv = w.qkv(x)
+            if w.q_norm is not None or self.clip_qkv is not None:
+                qkv = self._qk_norm_and_clip(qkv, w)
+            qkv = fused.rotary(qkv, positions, self.cos_sin, rotated_heads, self.head_dim)
             qkv = qkv.view(num_tokens, -1, self.head_dim)
             q = qkv[:, : self.num_heads]
             k = qkv[:, self.num_heads : rotated_heads]
@@ -125,9 +146,39 @@ class LlamaForCausalLM:
             attn = paged_attention(q, k, v, kv_cache, layer_idx, meta, self.scale)
             hidden = w.o_proj(attn.reshape(num_tokens, self.q_size))
             x, residual = fused.add_rms_norm(hidden, residual, w.post_norm, self.eps)
-            hidden = w.down(fused.silu_and_mul(w.gate_up(x)))
+            hidden = w.mlp(x)
         assert hidden is not None
         return fused.add_rms_norm(hidden, residual, self.final_norm, self.eps)[0]
+
+    def _qk_norm_and_clip(self, qkv: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """RMSNorm of q and k (over the whole projection, or per head), then the clamp of
+        q, k and v; returns a new contiguous [T, q + 2 kv] tensor."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        if w.q_norm is not None and w.k_norm is not None:
+            if self.family.qk_norm == "per_head":
+                d = self.head_dim
+                q = fused.rms_norm(q.reshape(-1, d), w.q_norm, self.eps).view(q.shape)
+                k = fused.rms_norm(k.reshape(-1, d), w.k_norm, self.eps).view(k.shape)
+            else:
+                q = fused.rms_norm(q.contiguous(), w.q_norm, self.eps)
+                k = fused.rms_norm(k.contiguous(), w.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return torch.cat([q, k, v], dim=1)
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [w.mlp for w in self.layers if isinstance(w.mlp, SparseMoeBlock)]
+
+    def enable_expert_counting(self) -> ExpertTokenCounter | None:
+        """Count tokens per expert per layer from now on; None for a dense model."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            return None
+        counter = ExpertTokenCounter(self.num_layers, blocks[0].num_experts, self.embed.device)
+        for block in blocks:
+            block.counter = counter
+        return counter
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

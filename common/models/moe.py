@@ -1,0 +1,155 @@
+"""The feed-forward part of a decoder layer: a dense gated MLP, or a sparse
+mixture-of-experts block (router, routed experts, optional shared expert).
+
+The forward pass (`llama.py`) calls a layer's `mlp(x)` once per step on the flattened batch
+after the post-attention norm. In an MoE block the router picks each token's top-k experts
+and their weights with the family's own normalisation (`families.MoeSpec`), the routed
+experts run through `pdserve.kernels.moe` (grouped by expert), and Qwen2-MoE's shared expert
+adds `sigmoid(shared_gate(x)) * shared_expert(x)`. When expert counting is on, each block
+adds its routing to an `ExpertTokenCounter` (one bincount per layer and step).
+
+Weights come from the Hugging Face state dict in either layout: one tensor per expert and
+projection (how checkpoints are published), or stacked `experts.gate_up_proj` [E, 2I, H] /
+`experts.down_proj` [E, H, I]."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.common.errors import ModelLoadError
+from pdserve.common.models.expert_stats import ExpertTokenCounter
+from pdserve.common.models.families import ModelFamily, MoeSpec, is_sparse_layer
+from pdserve.common.models.linear import Linear
+from pdserve.kernels import fused_ops as fused
+from pdserve.kernels import moe as moe_kernels
+
+Take = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class DenseMlp:
+    gate_up: Linear  # gate and up fused: [2I, H]
+    down: Linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(fused.silu_and_mul(self.gate_up(x)))
+
+
+@dataclass
+class Router:
+    """Router logits → top-k expert ids and weights, as the family computes them: softmax in
+    float32 over all experts, top-k, optionally renormalised to sum to one, optionally cast
+    back to the activation dtype."""
+
+    weight: Linear  # [E, H]
+    top_k: int
+    renormalize: bool
+    cast_weights: bool
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.weight(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.cast_weights:
+            weights = weights.to(logits.dtype)
+        return weights, ids
+
+
+@dataclass
+class SparseMoeBlock:
+    layer: int
+    router: Router
+    w13: torch.Tensor  # [E, 2I, H]: each expert's gate then up projection
+    w2: torch.Tensor  # [E, H, I]: each expert's down projection
+    shared: DenseMlp | None = None
+    shared_gate: Linear | None = None  # [1, H]
+    counter: ExpertTokenCounter | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        if self.counter is not None:
+            self.counter.add(self.layer, ids)
+        out = moe_kernels.experts(x, self.w13, self.w2, weights, ids)
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+Mlp = DenseMlp | SparseMoeBlock
+
+
+def load_dense_mlp(take: Take, prefix: str) -> DenseMlp:
+    """gate_proj / up_proj / down_proj under `prefix` (e.g. "model.layers.3.mlp.")."""
+    gate_up = torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")])
+    return DenseMlp(gate_up=Linear(gate_up), down=Linear(take(prefix + "down_proj.weight")))
+
+
+def load_mlp(
+    config: Any, family: ModelFamily, layer: int, take: Take, names: Mapping[str, object]
+) -> Mlp:
+    """The feed-forward part of decoder layer `layer`; `names` is the state dict (for which
+    keys exist)."""
+    p = f"model.layers.{layer}."
+    if not is_sparse_layer(config, family, layer):
+        return load_dense_mlp(take, p + "mlp.")
+    spec = family.moe
+    assert spec is not None
+    block = p + spec.block + "."
+    renormalize = spec.always_renormalize or bool(getattr(config, "norm_topk_prob", False))
+    w13, w2 = _load_experts(config, spec, block, take, names)
+    moe = SparseMoeBlock(
+        layer=layer,
+        router=Router(
+            Linear(take(block + "gate.weight")),
+            top_k=config.num_experts_per_tok,
+            renormalize=renormalize,
+            cast_weights=spec.cast_weights,
+        ),
+        w13=w13,
+        w2=w2,
+    )
+    if spec.shared_expert:
+        moe.shared = load_dense_mlp(take, block + "shared_expert.")
+        moe.shared_gate = Linear(take(block + "shared_expert_gate.weight"))
+    return moe
+
+
+def _load_experts(
+    config: Any, spec: MoeSpec, block: str, take: Take, names: Mapping[str, object]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_experts = getattr(config, spec.num_experts_attr)
+    stacked = block + "experts.gate_up_proj"
+    if stacked in names:
+        w13, w2 = take(stacked), take(block + "experts.down_proj")
+    else:
+        e = block + "experts.{}."
+        missing = e.format(0) + spec.gate_name + ".weight"
+        if missing not in names:
+            raise ModelLoadError(f"model: weights of {block}experts not found (no {missing})")
+        w13 = torch.stack([
+            torch.cat([take(e.format(i) + f"{spec.gate_name}.weight"),
+                       take(e.format(i) + f"{spec.up_name}.weight")])
+            for i in range(num_experts)
+        ])  # fmt: skip
+        w2 = torch.stack(
+            [take(e.format(i) + f"{spec.down_name}.weight") for i in range(num_experts)]
+        )
+    inter = getattr(config, spec.intermediate_attr)
+    expected = (num_experts, 2 * inter, config.hidden_size)
+    if tuple(w13.shape) != expected or tuple(w2.shape) != (num_experts, config.hidden_size, inter):
+        raise ModelLoadError(
+            f"model: {block}experts has shape {tuple(w13.shape)} / {tuple(w2.shape)}, "
+            f"expected {expected} / {(num_experts, config.hidden_size, inter)} from the config"
+        )
+    return w13.contiguous(), w2.contiguous()
