@@ -44,14 +44,6 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> ExpertOrder:
     return ExpertOrder(order, order // topk_ids.shape[1], counts)
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    # A lone row goes through a different (gemv) reduction on CPU than a block of rows; pad it
-    # to two so a token's numbers do not depend on how many others picked the same expert.
-    if x.shape[0] == 1 and x.device.type == "cpu":
-        return F.linear(x.expand(2, -1), weight)[:1]
-    return F.linear(x, weight)
-
-
 def expert_mlps(
     rows: Tensor, counts: list[int], w13: Tensor, w2: Tensor, first_expert: int = 0
 ) -> Tensor:
@@ -65,7 +57,7 @@ def expert_mlps(
             continue
         end = start + n
         e = first_expert + i
-        out[start:end] = _linear(silu_and_mul(_linear(rows[start:end], w13[e])), w2[e])
+        out[start:end] = F.linear(silu_and_mul(F.linear(rows[start:end], w13[e])), w2[e])
         start = end
     return out
 
