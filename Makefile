@@ -108,7 +108,7 @@ bench-kv: install
 	$(PY) benchmarks/kv_transfer.py
 
 bench-serve: install
-	$(PY) -m pip install -q matplotlib $(QUIET_PIP)
+	$(PY) -m pip install -q matplotlib aiohttp $(QUIET_PIP)
 	$(PY) benchmarks/serve.py
 
 bench-tracing: install

@@ -117,6 +117,9 @@ def env_of(c: dict) -> dict[str, str]:
     for e in c.get("env", []):
         if "value" in e:
             out[e["name"]] = e["value"]
+        elif "secretKeyRef" in e["valueFrom"]:
+            ref = e["valueFrom"]["secretKeyRef"]
+            out[e["name"]] = f"<secret {ref['name']}/{ref['key']}>"
         else:
             out[e["name"]] = FIELD_SAMPLES[e["valueFrom"]["fieldRef"]["fieldPath"]]
     return out
@@ -377,7 +380,29 @@ def test_coordinator_points_at_the_headless_services(value_set: str, monkeypatch
     assert selects(
         {"matchLabels": coord["spec"]["selector"]}, pod_labels(deployment(docs, "coordinator"))
     )
-    assert [p["name"] for p in coord["spec"]["ports"]] == ["grpc", "metrics"]
+    assert sorted(p["name"] for p in coord["spec"]["ports"]) == ["grpc", "http", "metrics"]
+
+
+def test_coordinator_serves_the_http_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = container(deployment(manifests("default"), "coordinator"))
+    env = env_of(c)
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "coordinator" and args.http_port == 8000 and args.api_key is None
+    docs = render(
+        "default",
+        "coordinator.http.apiKeySecret.name=pdserve-key",
+        "coordinator.http.servedModelName=smol",
+    )
+    env = env_of(container(deployment(docs, "coordinator")))
+    assert env["PDSERVE_API_KEY"] == "<secret pdserve-key/api-key>"
+    assert env["PDSERVE_SERVED_MODEL_NAME"] == "smol"
+    off = render("default", "coordinator.http.enabled=false")
+    c = container(deployment(off, "coordinator"))
+    assert "PDSERVE_HTTP_PORT" not in env_of(c) and "http" not in [p["name"] for p in c["ports"]]
+    assert "http" not in [p["name"] for p in one(off, "Service", FULLNAME)["spec"]["ports"]]
 
 
 def test_services_target_named_container_ports() -> None:
