@@ -72,7 +72,7 @@ def combine(
     weighted = (expert_out * weights).to(expert_out.dtype)
     unsorted = torch.empty_like(weighted)
     unsorted[sorted_.order] = weighted
-    return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+    return unsorted.view(num_tokens, top_k, expert_out.shape[-1]).sum(dim=1)
 
 
 def fused_experts(

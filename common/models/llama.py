@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from pdserve.common.models.attention import AttentionMetadata, paged_attention
+from pdserve.common.models.expert_parallel import ExpertShard
 from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import family_for
 from pdserve.common.models.linear import Linear
@@ -169,6 +170,14 @@ class LlamaForCausalLM:
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [w.mlp for w in self.layers if isinstance(w.mlp, SparseMoeBlock)]
+
+    def shard_experts(self, shard: ExpertShard) -> None:
+        """Expert parallelism: keep only `shard`'s experts in every MoE layer."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            raise ValueError("expert_parallel: the model has no mixture-of-experts layers")
+        for block in blocks:
+            block.shard_experts(shard)
 
     def enable_expert_counting(self) -> ExpertTokenCounter | None:
         """Count tokens per expert per layer from now on; None for a dense model."""

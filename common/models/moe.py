@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.models.expert_parallel import ExpertShard, ep_experts
 from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import ModelFamily, MoeSpec, is_sparse_layer
 from pdserve.common.models.linear import Linear
@@ -70,16 +71,29 @@ class SparseMoeBlock:
     shared: DenseMlp | None = None
     shared_gate: Linear | None = None  # [1, H]
     counter: ExpertTokenCounter | None = None
+    # Expert parallelism: w13 / w2 hold only this rank's experts (`shard_experts`).
+    shard: ExpertShard | None = None
 
     @property
     def num_experts(self) -> int:
-        return self.w13.shape[0]
+        return self.router.weight.out_features
+
+    def shard_experts(self, shard: ExpertShard) -> None:
+        """Keep only `shard`'s experts; from now on every call exchanges rows with the other
+        ranks, which must call in lockstep."""
+        if self.shard is not None or shard.num_experts != self.num_experts:
+            raise ValueError(f"layer {self.layer}: already sharded or wrong expert count")
+        self.w13, self.w2 = shard.local(self.w13), shard.local(self.w2)
+        self.shard = shard
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
         if self.counter is not None:
             self.counter.add(self.layer, ids)
-        out = moe_kernels.experts(x, self.w13, self.w2, weights, ids)
+        if self.shard is not None:
+            out = ep_experts(x, weights, ids, self.w13, self.w2, self.shard)
+        else:
+            out = moe_kernels.experts(x, self.w13, self.w2, weights, ids)
         if self.shared is not None:
             assert self.shared_gate is not None
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
