@@ -118,9 +118,13 @@ PDSERVE_SYSTEMS: dict[str, list[str]] = {
     "colocated": ["--colocated"],
     "disaggregated": ["--prefill", "1", "--decode", "1"],
 }
-VLLM_SYSTEMS: dict[str, dict[str, str]] = {
-    "vllm": {},  # its default: one core kept back for its API server
-    "vllm-2core": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+BOTH_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+VLLM_SYSTEMS: dict[str, tuple[dict[str, str], str]] = {
+    "vllm": ({}, "bfloat16"),  # the anchor as it is: one core kept back for its API server
+    "vllm-2core": (BOTH_CORES, "bfloat16"),  # the anchor with its engine on both cores
+    # The anchor fixes bfloat16, which CPUs without native bf16 (AVX2 only) emulate slowly;
+    # this runs the same server in float32, as pdserve's `--dtype auto` does on such CPUs.
+    "vllm-2core-fp32": (BOTH_CORES, "float32"),
 }
 SYSTEMS = [*PDSERVE_SYSTEMS, *VLLM_SYSTEMS]
 START_TIMEOUT_S = 300.0
@@ -153,7 +157,7 @@ def int_range(text: str) -> tuple[int, int]:
 
 
 def default_systems() -> str:
-    """pdserve's two modes, and vLLM's two core settings when its anchor is set up."""
+    """pdserve's two modes, and vLLM's settings when its anchor is set up."""
     have_vllm = VLLM_ANCHOR.exists() and (VLLM_VENV / "bin" / "python").exists()
     return ",".join(SYSTEMS if have_vllm else PDSERVE_SYSTEMS)
 
@@ -205,8 +209,18 @@ class Server:
             self.port = 0
         else:
             self.port = free_port()
-            self.command = ["bash", str(VLLM_ANCHOR), "serve", str(args.model_dir), str(self.port)]
-            env.update(VLLM_SYSTEMS[system])
+            system_env, dtype = VLLM_SYSTEMS[system]
+            if dtype == "bfloat16":
+                self.command = [
+                    "bash", str(VLLM_ANCHOR), "serve", str(args.model_dir), str(self.port),
+                ]  # fmt: skip
+            else:  # the anchor's own server command line, but for the dtype
+                self.command = [
+                    str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(args.model_dir), "--host", "127.0.0.1", "--port",
+                    str(self.port), "--dtype", dtype, "--max-model-len", "2048", "--enforce-eager",
+                ]  # fmt: skip
+            env.update(system_env)
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_gb))))
         self._log: IO[str] = log_path.open("w")
         self.proc = subprocess.Popen(
@@ -476,8 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=system_list,
         default=default_systems(),
         help="comma-separated, run in this order, from: " + ", ".join(SYSTEMS) + " (vllm: "
-        "its default of one core kept for its API server; vllm-2core: its engine on both; "
-        "default: all four when the vLLM anchor is set up, else pdserve's two)",
+        "the anchor's default, one core kept for its API server; vllm-2core: its engine on "
+        "both; vllm-2core-fp32: the same in float32; default: all when the vLLM anchor is "
+        "set up, else pdserve's two)",
     )
     g.add_argument(
         "--base-url",
