@@ -55,6 +55,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts).
     count_expert_tokens: bool = False
+    # MoE models: split the experts over this many rank processes (`pdserve generate`).
+    expert_parallel: int = 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,6 +90,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens: must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.expert_parallel < 1:
+            raise ValueError(f"expert_parallel: must be at least 1, got {self.expert_parallel}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         return self

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from pdserve.common.config import EngineConfig
+from pdserve.common.errors import ModelLoadError
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.request import Request
@@ -91,6 +92,9 @@ class ModelRunner:
         self.model = LlamaForCausalLM(
             self.hf_config, load_state_dict(model_dir), self.dtype, self.device
         )
+        self.num_forwards = 0  # model forwards so far (expert-parallel ranks keep in step)
+        if config.expert_parallel > 1:
+            self._shard_experts(config.expert_parallel)
         self.expert_counter = (
             self.model.enable_expert_counting() if config.count_expert_tokens else None
         )
@@ -124,6 +128,30 @@ class ModelRunner:
             f"head_dim={m.head_dim}/block={self.block_size}/{digest}"
         )
 
+    def _shard_experts(self, world_size: int) -> None:
+        """Keep this rank's share of every MoE layer's experts; the process already belongs
+        to its expert-parallel group (`expert_parallel.init_group`)."""
+        import torch.distributed as dist
+
+        from pdserve.common.models.expert_parallel import ExpertShard
+
+        blocks = self.model.moe_blocks()
+        if not blocks:
+            raise ModelLoadError("expert_parallel: the model has no mixture-of-experts layers")
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise RuntimeError(f"expert_parallel={world_size} needs a process group of that size")
+        try:
+            shard = ExpertShard(dist.get_rank(), world_size, blocks[0].num_experts)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
+        self.model.shard_experts(shard)
+
+    def idle_step(self) -> None:
+        """One model step without tokens: an expert-parallel rank with nothing to run still
+        joins the other ranks' exchanges."""
+        self.model.idle_forward()
+        self.num_forwards += 1
+
     def expert_token_counts(self) -> torch.Tensor | None:
         """Tokens routed to each expert of each layer so far, [num_layers, num_experts] on the
         CPU (rows of dense layers are zero); None unless counting is on for an MoE model."""
@@ -132,6 +160,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         input_ids, positions, meta, sample_idx, sampling = self._prepare(batch)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        self.num_forwards += 1
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[sample_idx])

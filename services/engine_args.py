@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from pdserve.common.config import DTYPE_NAMES, EngineConfig
-from pdserve.common.errors import ModelLoadError
+from pdserve.common.errors import ModelLoadError, PdserveError
 
 if TYPE_CHECKING:
     from pdserve.common.engine import LLMEngine
@@ -79,6 +79,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=int_env("max_model_len"),
         help="longest prompt + output (default: the model's limit)",
     )
+    g.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=int_env("expert_parallel", 1),
+        help="mixture-of-experts models, `generate` only: run N rank processes, each holding "
+        "num_experts/N experts and its own share of the requests (default: %(default)s)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=env("no_prefix_caching", "0") not in ("0", "", "false"),
                    help="turn off automatic prefix caching")  # fmt: skip
@@ -109,12 +116,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        expert_parallel=args.expert_parallel,
     )
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
     from pdserve.common.engine import LLMEngine
 
+    if args.expert_parallel != 1:
+        if getattr(args, "command", "generate") != "generate":
+            raise PdserveError("--expert-parallel: only `pdserve generate` runs it so far")
+        from pdserve.services.expert_parallel import join_expert_parallel_group
+
+        join_expert_parallel_group(args, engine_argv(args))
     try:
         return LLMEngine(engine_config(args))
     except (OSError, KeyError) as exc:
@@ -137,6 +151,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--max-model-len", args.max_model_len),
+        ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),
     ]:
         if value is not None:
             argv += [flag, str(value)]

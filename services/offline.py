@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from pdserve.common.engine import LLMEngine, Prompt
+from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import SamplingParams
 
@@ -80,9 +80,23 @@ def parse_line(line: str, defaults: Defaults) -> tuple[Prompt, SamplingParams]:
     return prompt, SamplingParams(**kwargs).validate()
 
 
+def result_row(index: int, out: RequestOutput) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": out.text,
+        "token_ids": list(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+    }
+
+
 def run_generate(engine: LLMEngine, infile: TextIO, outfile: TextIO, defaults: Defaults,
                  progress: bool = True) -> int:  # fmt: skip
     """Run every line of `infile`; write results to `outfile`. Returns the number of bad lines."""
+    if engine.config.expert_parallel > 1:
+        from pdserve.services.expert_parallel import run_generate_ranks
+
+        return run_generate_ranks(engine, infile, outfile, defaults)
     results: dict[int, dict[str, Any]] = {}
     request_to_index: dict[str, int] = {}
     errors = 0
@@ -102,13 +116,7 @@ def run_generate(engine: LLMEngine, infile: TextIO, outfile: TextIO, defaults: D
     final = engine.run_until_done(len(request_to_index), progress=progress)
     for request_id, out in final.items():
         i = request_to_index[request_id]
-        results[i] = {
-            "index": i,
-            "text": out.text,
-            "token_ids": list(out.token_ids),
-            "finish_reason": out.finish_reason,
-            "prompt_tokens": out.prompt_tokens,
-        }
+        results[i] = result_row(i, out)
     for i in range(index):
         outfile.write(json.dumps(results[i], ensure_ascii=False) + "\n")
     return errors

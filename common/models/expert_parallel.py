@@ -17,10 +17,13 @@ the rank that holds the expert — and then:
 
 Every rank must call it for every MoE layer of every step, in the same order, also with no
 tokens (an idle rank joins with an empty batch), or the others wait. The collectives are
-`torch.distributed`'s: gloo for CPU tensors, NCCL for CUDA tensors, the same code."""
+`torch.distributed`'s: gloo for CPU tensors, NCCL for CUDA tensors, the same code.
+`init_group` joins a rank to its group; `lockstep_busy` is the once-per-step agreement on
+whether any rank still has work (an idle rank then runs `idle_forward`)."""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -122,3 +125,24 @@ def ep_experts(
         traffic.rows_kept += kept
         traffic.rows_sent += sum(send_splits) - kept
     return combine(returned, sorted_, topk_weights, num_tokens)
+
+
+def init_group(rank: int, world_size: int, address: str, device: str, timeout_s: float) -> None:
+    """Join the expert-parallel group at `address` (host:port of rank 0's store): gloo for
+    CPU, NCCL for CUDA. A collective that waits longer than `timeout_s` (a rank died or
+    hangs) raises instead of waiting forever."""
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def lockstep_busy(busy: bool, device: torch.device) -> bool:
+    """Whether any rank of the group has work this step (every rank calls it once per
+    step; all get the same answer)."""
+    flag = torch.tensor([1 if busy else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

@@ -168,6 +168,13 @@ class LlamaForCausalLM:
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         return torch.cat([q, k, v], dim=1)
 
+    def idle_forward(self) -> None:
+        """Expert parallelism: a rank with no tokens this step still joins every MoE layer's
+        exchange (with an empty batch) so the other ranks do not wait forever."""
+        empty = self.embed.new_empty((0, self.embed.shape[1]))
+        for block in self.moe_blocks():
+            block(empty)
+
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [w.mlp for w in self.layers if isinstance(w.mlp, SparseMoeBlock)]
 

@@ -1,9 +1,11 @@
 """Expert parallelism over real processes (torch.distributed, gloo on 127.0.0.1): each rank
 holds only its share of the experts and its own tokens. The dispatch / compute / combine of
 one MoE layer gives every rank what the single-process fused path gives on the full expert
-set — with uneven and empty batches, at 2 and 4 ranks — and a tiny Mixtral with its experts
-split over 2 ranks, each rank prefilling its own prompt (data-parallel attention), gives the
-unsplit model's logits.
+set — with uneven and empty batches, at 2 and 4 ranks. `pdserve generate --expert-parallel
+N` on tiny Mixtral and Qwen2-MoE models, each rank running its own requests with its own KV
+cache (data-parallel attention), gives transformers' greedy ids (ranks finishing at
+different steps keep joining with empty batches), and bad values fail with a clear message
+before any rank starts.
 
 Each rank is this file run as a script (`python test_moe_expert_parallel.py CASE RANK ...`);
 it writes its result with torch.save for the test to compare."""
@@ -87,25 +89,67 @@ def test_dispatch_combine_matches_single_process(tmp_path, world, tokens):
         assert res["rows_sent"] + res["rows_kept"] == tokens[rank] * TOP_K
 
 
+def _generate(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PDSERVE_THREADS="1")
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "generate", "--no-progress", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 @pytest.mark.slow
-def test_tiny_mixtral_split_over_two_ranks(tmp_path, default_model_dir):
-    from oracle import engine, engine_logits
+@pytest.mark.parametrize(("family", "ranks"), [("mixtral", 2), ("qwen2_moe", 4)])
+def test_generate_expert_parallel_matches_transformers(tmp_path, default_model_dir, family, ranks):
+    from oracle import load_reference, reference_greedy
     from test_moe_greedy import build_tiny_moe
 
-    folder = build_tiny_moe(tmp_path / "mixtral", "mixtral", default_model_dir)
-    gen = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (37, 6)]
-    results = _run_ranks("model", 2, tmp_path, {"model": str(folder), "prompts": prompts})
-    whole = engine(folder, kv_cache_tokens=1024)
-    for rank, res in enumerate(results):
-        expected = engine_logits(whole, prompts[rank])
-        torch.testing.assert_close(res["logits"], expected, rtol=1e-4, atol=1e-4)
+    folder = build_tiny_moe(tmp_path / family, family, default_model_dir)
+    gen = torch.Generator().manual_seed(31)
+    lens, new_tokens = (5, 40, 1, 17, 33), (12, 6, 12, 3, 9)  # ranks finish at different steps
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lens]
+    model = load_reference(folder)
+    pairs = list(zip(prompts, new_tokens, strict=True))
+    expected = [reference_greedy(model, p, m, None) for p, m in pairs]
+    rows = [{"token_ids": p, "max_tokens": m, "ignore_eos": True} for p, m in pairs]
+    rows.insert(2, {"prompt": "hi", "top_k": 0})  # a bad line keeps its place
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    proc = _generate(["--model", str(folder), "--input", str(inp), "--output", str(out),
+                      "--dtype", "float32", "--kv-cache-tokens", "2048",
+                      "--expert-parallel", str(ranks)])  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # the one bad line
+    assert "line 3: top_k" in proc.stderr and "Traceback" not in proc.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in results] == list(range(len(rows)))
+    assert "error" in results.pop(2)
+    assert [r["token_ids"] for r in results] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "ranks", "message"),
+    [
+        ("mixtral", 3, "must divide the model's 8 experts, got 3"),
+        ("default", 2, "not a mixture-of-experts model"),
+    ],
+)
+def test_expert_parallel_bad_values(tmp_path, default_model_dir, model, ranks, message):
+    from test_moe_greedy import build_tiny_moe
+
+    folder = default_model_dir
+    if model == "mixtral":
+        folder = build_tiny_moe(tmp_path / model, model, default_model_dir)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    out = str(tmp_path / "o.jsonl")
+    proc = _generate(["--model", str(folder), "--input", str(inp), "--output", out,
+                      "--expert-parallel", str(ranks)], timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _rank_main(case: str, rank: int, world: int, port: int, tmp: Path) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, str(HERE.parent.parent))  # tests/oracle.py
     from pdserve.common.models.expert_parallel import ExpertShard, TrafficCounter, ep_experts
 
     payload = json.loads((tmp / "payload.json").read_text())
@@ -114,19 +158,11 @@ def _rank_main(case: str, rank: int, world: int, port: int, tmp: Path) -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     torch.set_num_threads(1)
-    if case == "layer":
-        x, w13, w2, weights, ids = _layer_inputs(rank, payload["tokens"][rank])
-        shard = ExpertShard(rank, world, EXPERTS)
-        traffic = TrafficCounter()
-        out = ep_experts(x, weights, ids, shard.local(w13), shard.local(w2), shard, traffic)
-        result = {"out": out, "rows_sent": traffic.rows_sent, "rows_kept": traffic.rows_kept}
-    else:
-        from oracle import engine, engine_logits
-
-        eng = engine(payload["model"], kv_cache_tokens=1024, threads=1)
-        experts = eng.runner.hf_config.num_local_experts
-        eng.runner.model.shard_experts(ExpertShard(rank, world, experts))
-        result = {"logits": engine_logits(eng, payload["prompts"][rank])}
+    x, w13, w2, weights, ids = _layer_inputs(rank, payload["tokens"][rank])
+    shard = ExpertShard(rank, world, EXPERTS)
+    traffic = TrafficCounter()
+    out = ep_experts(x, weights, ids, shard.local(w13), shard.local(w2), shard, traffic)
+    result = {"out": out, "rows_sent": traffic.rows_sent, "rows_kept": traffic.rows_kept}
     torch.save(result, tmp / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
