@@ -1,0 +1,551 @@
+"""Before step 2 of a request's path: which workers the coordinator may route to at all. A
+`Discovery` reports, per role (`prefill`, `decode`, `colocated`), the full current set of
+"host:port" addresses whenever it changes; the coordinator's routing table follows it.
+
+- `StaticDiscovery`: the `--prefill-workers` / `--decode-workers` / `--colocated-workers`
+  lists, reported once.
+- `KubernetesDiscovery`: per role, a list + watch of the namespace's `discovery.k8s.io/v1`
+  EndpointSlices matching the role's label selector. An endpoint counts while it is ready
+  (`conditions.ready` true or unset, as the API defines) and not terminating; its address is
+  the first of its `addresses` (the only one Kubernetes gives meaning to) with the slice's
+  port named `--k8s-port-name`. A role's set is the union over its slices; a pod listed in
+  two slices (dual-stack, or while the controller moves it) counts once. The selector is also
+  applied here, so a server that ignores it cannot add foreign workers. A watch that breaks
+  resumes from the last resourceVersion with backoff; 410 Gone relists.
+
+The Kubernetes API sits behind `SliceSource` (list + watch of raw EndpointSlice dicts):
+`KubernetesSliceSource` is the official `kubernetes` client, run in daemon threads so the
+event loop never blocks on it; tests script their own source."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import random
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from pdserve.services.engine_args import env
+
+OnChange = Callable[[str, frozenset[str]], None]  # (role, the full current set of "host:port")
+ROLES = ("prefill", "decode", "colocated")
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+log = logging.getLogger("pdserve.discovery")
+T = TypeVar("T")
+QUICK_WATCH_END_S = 1.0  # a watch the server ends this soon, with no event, counts as failed
+
+
+class Discovery(ABC):
+    """Tells the coordinator its workers: `run` calls `on_change(role, addresses)` once per
+    role in `roles` when it first knows the set, then whenever that set changes."""
+
+    @property
+    @abstractmethod
+    def roles(self) -> frozenset[str]:
+        """The roles this discovery reports (the others stay empty)."""
+
+    @abstractmethod
+    async def run(self, on_change: OnChange) -> None:
+        """Runs until cancelled; an exception raised by `on_change` ends it."""
+
+
+class StaticDiscovery(Discovery):
+    def __init__(self, workers: Mapping[str, list[str]]) -> None:
+        self._workers = {r: frozenset(a) for r, a in workers.items() if a}
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return frozenset(self._workers)
+
+    async def run(self, on_change: OnChange) -> None:
+        for role, addresses in self._workers.items():
+            on_change(role, addresses)
+        await asyncio.Event().wait()
+
+
+# --- label selectors --------------------------------------------------------------------------
+
+_KEY = r"(?:[A-Za-z0-9][-A-Za-z0-9.]*/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+_EXISTS = re.compile(rf"(!?)\s*({_KEY})")
+_EQUALS = re.compile(rf"({_KEY})\s*(==|=|!=)\s*({_VALUE})")
+_SET = re.compile(rf"({_KEY})\s+(in|notin)\s*\((.*)\)")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One term of a label selector: `key`, `!key`, `key=v`, `key!=v`, `key in (..)`,
+    `key notin (..)`."""
+
+    key: str
+    op: str  # "exists", "!exists", "in", "notin" (= is "in" one value, != "notin")
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.op == "exists":
+            return self.key in labels
+        if self.op == "!exists":
+            return self.key not in labels
+        if self.op == "in":
+            return self.key in labels and labels[self.key] in self.values
+        return self.key not in labels or labels[self.key] not in self.values
+
+
+@dataclass(frozen=True)
+class LabelSelector:
+    """A Kubernetes label selector in its string form, parsed to match labels here too."""
+
+    text: str
+    requirements: tuple[Requirement, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> LabelSelector:
+        reqs = tuple(_parse_requirement(t.strip()) for t in _split_terms(text))
+        if not reqs:
+            raise ValueError("an empty selector would match every EndpointSlice")
+        return cls(text.strip(), reqs)
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(r.matches(labels) for r in self.requirements)
+
+
+def _split_terms(text: str) -> Iterator[str]:
+    """Commas separate terms, except inside the parentheses of `in (...)`."""
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"unbalanced parentheses in {text!r}")
+        if ch == "," and depth == 0:
+            yield text[start:i]
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced parentheses in {text!r}")
+    if text.strip():
+        yield text[start:]
+
+
+def _parse_requirement(term: str) -> Requirement:
+    if m := _SET.fullmatch(term):
+        values = [v.strip() for v in m.group(3).split(",")]
+        if not all(values) or not all(re.fullmatch(_VALUE, v) for v in values):
+            raise ValueError(f"{term!r}: the set needs one or more valid label values")
+        return Requirement(m.group(1), m.group(2), frozenset(values))
+    if m := _EQUALS.fullmatch(term):
+        return Requirement(m.group(1), "notin" if m.group(2) == "!=" else "in", frozenset([m[3]]))
+    if m := _EXISTS.fullmatch(term):
+        return Requirement(m.group(2), "!exists" if m.group(1) else "exists")
+    raise ValueError(
+        f"{term!r} is no label selector term (key, !key, key=value, key!=value, "
+        "key in (a,b), key notin (a,b))"
+    )
+
+
+# --- EndpointSlices -> addresses --------------------------------------------------------------
+
+_FAMILY_RANK = {"IPv4": 0, "IPv6": 1, "FQDN": 2}
+Candidate = tuple[int, str]  # (address family rank, "host:port"): the lowest wins for a pod
+
+
+def slice_endpoints(endpoint_slice: Mapping[str, Any], port_name: str) -> dict[str, Candidate]:
+    """The ready, non-terminating endpoints of one EndpointSlice (API JSON form), keyed by
+    the pod they belong to (or their address when they name none)."""
+    family = endpoint_slice.get("addressType", "IPv4")
+    ports = [p for p in endpoint_slice.get("ports") or [] if (p.get("name") or "") == port_name]
+    if family not in _FAMILY_RANK or not ports or ports[0].get("port") is None:
+        return {}
+    port = int(ports[0]["port"])
+    out: dict[str, Candidate] = {}
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        addresses = endpoint.get("addresses") or []
+        host = _host(addresses[0], family) if addresses else None
+        if host is None:
+            continue
+        ref = endpoint.get("targetRef") or {}
+        key = ref.get("uid") or (f"{ref.get('kind')}/{ref['name']}" if ref.get("name") else host)
+        out[key] = (_FAMILY_RANK[family], f"{host}:{port}")
+    return out
+
+
+def _host(address: str, family: str) -> str | None:
+    if family == "FQDN":
+        return address.rstrip(".") or None
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        log.warning("EndpointSlice address %r is no %s address; skipped", address, family)
+        return None
+    return f"[{ip.compressed}]" if ip.version == 6 else ip.compressed
+
+
+def union_addresses(slices: Mapping[str, Mapping[str, Candidate]]) -> frozenset[str]:
+    best: dict[str, Candidate] = {}
+    for endpoints in slices.values():
+        for key, candidate in endpoints.items():
+            if key not in best or candidate < best[key]:
+                best[key] = candidate
+    return frozenset(address for _, address in best.values())
+
+
+# --- Kubernetes -------------------------------------------------------------------------------
+
+
+class _CallbackFailed(Exception):
+    """`on_change` raised (its error is the cause): not an API failure to retry."""
+
+
+class ResourceGone(Exception):
+    """410 Gone: the resourceVersion is too old to resume from; list again."""
+
+
+class SliceSource(Protocol):
+    """The Kubernetes API as discovery uses it, for one namespace."""
+
+    async def list(self, selector: str) -> tuple[list[dict[str, Any]], str]:
+        """The EndpointSlices (API JSON dicts) and the list's resourceVersion."""
+        ...
+
+    def watch(self, selector: str, resource_version: str) -> AsyncGenerator[dict[str, Any], None]:
+        """Watch events ({"type", "object"}) after `resource_version`, until the stream ends;
+        raises ResourceGone or any error on failure."""
+        ...
+
+
+class KubernetesDiscovery(Discovery):
+    def __init__(
+        self,
+        selectors: Mapping[str, LabelSelector],
+        source: SliceSource,
+        port_name: str = "grpc",
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
+    ) -> None:
+        self._selectors = dict(selectors)
+        self._source = source
+        self._port_name = port_name
+        self._retry = (retry_initial_s, retry_max_s)
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return frozenset(self._selectors)
+
+    async def run(self, on_change: OnChange) -> None:
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for role, selector in self._selectors.items():
+                    tasks.create_task(self._follow(role, selector, on_change), name=role)
+        except ExceptionGroup as group:  # only on_change's errors end a role's task
+            raise group.exceptions[0] from None
+
+    async def _follow(self, role: str, selector: LabelSelector, on_change: OnChange) -> None:
+        slices: dict[str, dict[str, Candidate]] = {}
+        reported: frozenset[str] | None = None
+        version: str | None = None
+        failures = 0  # in a row; sets the backoff
+        loop = asyncio.get_running_loop()
+
+        def report() -> None:
+            nonlocal reported
+            current = union_addresses(slices)
+            if current != reported:
+                log.info("%s workers: %s", role, ", ".join(sorted(current)) or "none")
+                reported = current
+                try:
+                    on_change(role, current)
+                except Exception as exc:
+                    raise _CallbackFailed from exc
+
+        while True:
+            try:
+                if version is None:
+                    items, version = await self._source.list(selector.text)
+                    slices.clear()
+                    for item in items:
+                        self._apply(slices, selector, "ADDED", item)
+                    report()
+                started, events = loop.time(), 0
+                async with contextlib.aclosing(self._source.watch(selector.text, version)) as watch:
+                    async for event in watch:
+                        version = self._apply_event(slices, selector, event) or version
+                        report()
+                        events, failures = events + 1, 0
+                # The server ended the watch (its timeout): resume at once, unless it ends
+                # watches as soon as they start, which must not make us spin.
+                quick = not events and loop.time() - started < QUICK_WATCH_END_S
+                failures = failures + 1 if quick else 0
+            except _CallbackFailed as exc:
+                raise exc.__cause__ from None  # type: ignore[misc]
+            except ResourceGone:
+                log.info("%s: resourceVersion %s is gone; listing again", role, version)
+                version = None
+                failures += 1
+                if failures == 1:
+                    continue  # relist at once the first time
+            except Exception as exc:  # any API or network failure: retry
+                failures += 1
+                log.warning(
+                    "%s: EndpointSlice %s failed (%s: %s); retrying",
+                    role,
+                    "watch" if version else "list",
+                    type(exc).__name__,
+                    exc,
+                )
+            if failures:
+                await asyncio.sleep(self._backoff(failures))
+
+    def _backoff(self, failures: int) -> float:
+        initial, most = self._retry
+        return min(most, initial * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+
+    def _apply_event(
+        self, slices: dict[str, dict[str, Candidate]], selector: LabelSelector, event: dict
+    ) -> str | None:
+        """Applies one watch event; returns its resourceVersion."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise ResourceGone(obj.get("message", ""))
+            raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            self._apply(slices, selector, kind, obj)
+        return (obj.get("metadata") or {}).get("resourceVersion")
+
+    def _apply(
+        self, slices: dict[str, dict[str, Candidate]], selector: LabelSelector, kind: str, obj: dict
+    ) -> None:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name") or meta.get("uid")
+        if not name:
+            return
+        if kind != "DELETED" and selector.matches(meta.get("labels") or {}):
+            slices[name] = slice_endpoints(obj, self._port_name)
+        else:  # deleted, or its labels no longer match
+            slices.pop(name, None)
+
+
+class KubernetesSliceSource:
+    """`SliceSource` over the official `kubernetes` client. Its blocking calls run in daemon
+    threads; leaving a watch shuts its connection down, which ends the thread's read."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        namespace: str,
+        watch_timeout_s: int = 300,
+        read_timeout_s: float | None = None,
+    ) -> None:
+        from kubernetes.client import DiscoveryV1Api
+
+        self._api = DiscoveryV1Api(api_client)
+        self.namespace = namespace
+        self._watch_timeout_s = watch_timeout_s
+        # The server ends a watch after watch_timeout_s; a silent connection past that is dead.
+        self._read_timeout_s = read_timeout_s or watch_timeout_s + 30.0
+
+    async def list(self, selector: str) -> tuple[list[dict[str, Any]], str]:
+        def call() -> dict[str, Any]:
+            resp = self._call(label_selector=selector, _request_timeout=(10, 60))
+            return json.loads(resp.data)
+
+        body = await _in_thread(call)
+        return body.get("items") or [], (body.get("metadata") or {}).get("resourceVersion", "")
+
+    async def watch(
+        self, selector: str, resource_version: str
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        stop = threading.Event()
+        responses: list[Any] = []
+
+        def pump() -> None:
+            try:
+                resp = self._call(
+                    label_selector=selector,
+                    resource_version=resource_version,
+                    watch=True,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=self._watch_timeout_s,
+                    _request_timeout=(10, self._read_timeout_s),
+                )
+                responses.append(resp)
+                if stop.is_set():
+                    resp.shutdown()
+                for line in _lines(resp.stream(65536)):
+                    _deliver(loop, queue.put_nowait, ("event", json.loads(line)))
+                _deliver(loop, queue.put_nowait, ("end", None))
+            except Exception as exc:  # handed to the event loop
+                if not stop.is_set():
+                    _deliver(loop, queue.put_nowait, ("error", exc))
+
+        threading.Thread(target=pump, name=f"k8s-watch {selector}", daemon=True).start()
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            for resp in responses:
+                resp.shutdown()
+
+    def _call(self, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._api.list_namespaced_endpoint_slice(
+                self.namespace, _preload_content=False, **kwargs
+            )
+        except ApiException as exc:
+            if exc.status == 410:
+                raise ResourceGone(str(exc.reason)) from exc
+            raise
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        yield from (line for line in complete if line.strip())
+    if pending.strip():
+        yield pending
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+        loop.call_soon_threadsafe(callback, *args)
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a daemon thread (unlike asyncio.to_thread, never waited for at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def work() -> None:
+        try:
+            value: Any = fn()
+        except Exception as exc:  # handed to the event loop
+            _deliver(loop, settle, False, exc)
+        else:
+            _deliver(loop, settle, True, value)
+
+    threading.Thread(target=work, name="k8s-call", daemon=True).start()
+    return await future
+
+
+def kubernetes_client() -> tuple[Any, str | None]:
+    """An ApiClient from the in-cluster config, else from the kubeconfig ($KUBECONFIG or
+    ~/.kube/config), and the kubeconfig context's namespace if it names one."""
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:
+        raise ValueError("--discovery kubernetes needs the `kubernetes` package") from exc
+    try:
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        return client.ApiClient(configuration), None
+    except config.ConfigException as in_cluster:
+        try:
+            _, context = config.list_kube_config_contexts()
+            namespace = (context or {}).get("context", {}).get("namespace")
+            return config.new_client_from_config(), namespace
+        except (config.ConfigException, OSError) as kubeconfig:
+            raise ValueError(
+                f"--discovery kubernetes: no in-cluster config ({in_cluster}) "
+                f"and no usable kubeconfig ({kubeconfig})"
+            ) from kubeconfig
+
+
+def pod_namespace(path: Path = SA_NAMESPACE_FILE) -> str | None:
+    """The namespace of the pod this runs in (its service account's), if in a pod."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+# --- flags ------------------------------------------------------------------------------------
+
+
+def add_discovery_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("worker discovery (each also read from PDSERVE_<NAME>)")
+    g.add_argument(
+        "--discovery",
+        default=env("discovery", "static"),
+        choices=["static", "kubernetes"],
+        help="static: the --*-workers lists; kubernetes: watch the EndpointSlices the "
+        "--*-selector flags select (default: %(default)s)",
+    )
+    for role in ROLES:
+        g.add_argument(
+            f"--{role}-selector",
+            default=env(f"{role}_selector", ""),
+            help=f"label selector of the {role} workers' EndpointSlices, e.g. "
+            f"kubernetes.io/service-name=llm-pdserve-{role}-headless",
+        )
+    g.add_argument(
+        "--k8s-namespace",
+        default=env("k8s_namespace"),
+        help="namespace to watch (default: the pod's own, else the kubeconfig context's)",
+    )
+    g.add_argument(
+        "--k8s-port-name",
+        default=env("k8s_port_name", "grpc"),
+        help="the EndpointSlice port workers take gRPC calls on (default: %(default)s)",
+    )
+
+
+def build_discovery(args: argparse.Namespace, static: dict[str, list[str]]) -> Discovery:
+    """The discovery `args` ask for. Raises ValueError naming the flag when the roles given
+    are neither colocated nor both prefill and decode, or a selector does not parse."""
+    if args.discovery == "static":
+        _check_roles({r for r, a in static.items() if a}, "--{}-workers")
+        return StaticDiscovery(static)
+    selectors: dict[str, LabelSelector] = {}
+    for role in ROLES:
+        text = getattr(args, f"{role}_selector")
+        if text.strip():
+            try:
+                selectors[role] = LabelSelector.parse(text)
+            except ValueError as exc:
+                raise ValueError(f"--{role}-selector: {exc}") from exc
+    _check_roles(set(selectors), "--{}-selector")
+    if any(static.values()):
+        log.warning("--discovery kubernetes: the static --*-workers lists are ignored")
+    api_client, kube_namespace = kubernetes_client()
+    namespace = args.k8s_namespace or pod_namespace() or kube_namespace or "default"
+    log.info(
+        "watching EndpointSlices in namespace %s: %s",
+        namespace,
+        "; ".join(f"{r}: {s.text}" for r, s in selectors.items()),
+    )
+    source = KubernetesSliceSource(api_client, namespace)
+    return KubernetesDiscovery(selectors, source, port_name=args.k8s_port_name)
+
+
+def _check_roles(roles: set[str], flag: str) -> None:
+    if "colocated" not in roles and not {"prefill", "decode"} <= roles:
+        raise ValueError(
+            f"workers: give {flag.format('prefill')} and {flag.format('decode')}, "
+            f"or {flag.format('colocated')}"
+        )
