@@ -25,6 +25,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import random
 import re
 import threading
@@ -466,9 +467,10 @@ def kubernetes_client() -> tuple[Any, str | None]:
         return client.ApiClient(configuration), None
     except config.ConfigException as in_cluster:
         try:
-            _, context = config.list_kube_config_contexts()
+            path = os.environ.get("KUBECONFIG")  # the client reads it only at its import
+            _, context = config.list_kube_config_contexts(config_file=path)
             namespace = (context or {}).get("context", {}).get("namespace")
-            return config.new_client_from_config(), namespace
+            return config.new_client_from_config(config_file=path), namespace
         except (config.ConfigException, OSError) as kubeconfig:
             raise ValueError(
                 f"--discovery kubernetes: no in-cluster config ({in_cluster}) "
