@@ -75,6 +75,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}
+        # (stored?, hash) changes of `cached` since the last drain, while recording: what a
+        # worker streams to the coordinator's prefix-aware router.
+        self._events: list[tuple[bool, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -128,13 +131,29 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        if self._events is not None:
+            self._events.append((True, block_hash))
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self._events is not None:
+                    self._events.append((False, block.block_hash))
             block.block_hash = None
             block.token_ids = None
+
+    def record_events(self) -> None:
+        """From now on, log every hash stored in or evicted from the prefix cache."""
+        if self._events is None:
+            self._events = []
+
+    def drain_events(self) -> list[tuple[bool, int]]:
+        """The (stored?, hash) changes since the last drain, oldest first."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

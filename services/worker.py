@@ -63,10 +63,19 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         transfer_timeout_s=args.transfer_timeout,
     )
     names = _add_servicer(worker, process, args)
+    from pdserve.services.status import StatusHub
+    from pdserve.v1 import worker_pb2_grpc
+
+    status = StatusHub(worker)
+    worker_pb2_grpc.add_WorkerStatusServiceServicer_to_server(status, process.server)
+    names.append("pdserve.v1.WorkerStatusService")
     loop.housekeeping.append(worker.metrics.sync_prefix_cache)
     loop.start()
+    status.start()
+    process.on_drain(status.drain)
 
     async def shutdown() -> None:
+        await status.stop()
         loop.stop()
         if transport is not None:
             transport.close()

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from pdserve.services.coordinator.router import POLICIES, WorkerPool
+from pdserve.services.coordinator.router import DEFAULT_POLICY, POLICIES, RouterWeights
 from pdserve.services.engine_args import env, int_env
 from pdserve.services.service_args import add_service_args
 
@@ -36,9 +36,37 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--policy",
-        default=env("policy", "least_loaded"),
+        default=env("policy", DEFAULT_POLICY),
         choices=POLICIES,
         help="how a worker is picked in a pool (default: %(default)s)",
+    )
+    defaults = RouterWeights()
+    g.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=float(env("prefix_weight", str(defaults.prefix_weight))),
+        help="prefix_aware: cost of each prompt block a prefill worker must compute "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--load-weight",
+        type=float,
+        default=float(env("load_weight", str(defaults.load_weight))),
+        help="prefix_aware: cost of each request queued on a prefill worker, in blocks "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        default=env("no_kv_events", "0") not in ("0", "", "false"),
+        help="prefix_aware: index prefixes from this coordinator's own decisions instead of "
+        "the workers' cache reports (approximate)",
+    )
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=int(env("max_retries", "2") or 2),
+        help="times one request may move to another worker after losing one (default: %(default)s)",
     )
     g.add_argument(
         "--model",
@@ -147,20 +175,29 @@ async def _serve(
         hf_config.vocab_size,
         max_model_len(hf_config, args.max_model_len),
     )
+    from pdserve.services.coordinator.pool import WorkerPool
     from pdserve.services.coordinator.request_path import Coordinator
 
+    routing = {
+        "policy": args.policy,
+        "weights": RouterWeights(args.prefix_weight, args.load_weight),
+        "kv_events": not args.no_kv_events,
+    }
     pools = {
-        "prefill": WorkerPool("prefill", prefill, prefill_pb2_grpc.PrefillServiceStub, args.policy),
-        "decode": WorkerPool("decode", decode, decode_pb2_grpc.DecodeServiceStub, args.policy),
+        "prefill": WorkerPool("prefill", prefill, prefill_pb2_grpc.PrefillServiceStub, **routing),
+        "decode": WorkerPool("decode", decode, decode_pb2_grpc.DecodeServiceStub, **routing),
         "colocated": WorkerPool(
-            "colocated", colocated, generate_pb2_grpc.GenerateServiceStub, args.policy
+            "colocated", colocated, generate_pb2_grpc.GenerateServiceStub, **routing
         ),
     }
+    for pool in pools.values():
+        pool.start()
     process = ServiceProcess(args.host, args.port, args.metrics_port)
     identity = {
         "model": model_dir.name,
         "worker_id": f"coordinator-{process.port}",
         "max_inflight": args.max_inflight_requests,
+        "max_retries": args.max_retries,
     }
     if colocated:
         coordinator = Coordinator(frontend, colocated=pools["colocated"], **identity)

@@ -1,9 +1,10 @@
 """The coordinator's request path, shared by its gRPC and HTTP fronts.
 
-1. validate and tokenize (`Frontend`); 2. pick a prefill worker and call `Prefill`; 3. send
-the first token to the client at once; 4. pick a decode worker and call `Decode` with the KV
-handle; 5. relay its tokens, then the finish reason and usage. (Colocated: one `Generate`
-call to one worker.) The client's deadline goes to every worker call; a client that leaves
+1. validate and tokenize (`Frontend`); 2. pick a prefill worker (`router.py`) and call
+`Prefill`; 3. send the first token to the client at once; 4. pick a decode worker and call
+`Decode` with the KV handle; 5. relay its tokens, then the finish reason and usage.
+(Colocated: one `Generate` call to one worker.) A lost worker is routed around: see
+`_disaggregated`. The client's deadline goes to every worker call; a client that leaves
 cancels the worker call in flight, which frees the request's blocks there. Failures end as
 one `RequestFailed` carrying a gRPC status code; each front maps it to its own errors."""
 
@@ -12,16 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import replace
 
 import grpc
 from opentelemetry.trace import SpanKind
 
+from pdserve.common.block_hashing import block_hashes
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
 from pdserve.services.convert import params_to_proto
 from pdserve.services.coordinator.metrics import RequestTimer
-from pdserve.services.coordinator.router import NoWorkerError, WorkerEndpoint, WorkerPool
+from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
+from pdserve.services.coordinator.router import NoWorkerError
 from pdserve.services.frontend import ContextLengthError, Frontend, ParsedRequest, usage
 from pdserve.v1 import decode_pb2, generate_pb2, prefill_pb2
 
@@ -69,6 +73,19 @@ def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> RequestFa
     return RequestFailed(e.code(), f"{role} worker {address}: {e.details()}")
 
 
+# A call that ended so means the worker (or the way to it) is gone, not that the request is
+# bad: the request may go on elsewhere.
+WORKER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED})
+
+
+class LegFailed(Exception):
+    """A worker was lost; the request may continue on others."""
+
+    def __init__(self, error: RequestFailed) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class Coordinator:
     """Routes requests over a prefill and a decode pool, or over colocated workers. At most
     `max_inflight` requests are in flight; past that a request is refused at once
@@ -83,6 +100,7 @@ class Coordinator:
         model: str = "",
         worker_id: str = "coordinator",
         max_inflight: int = 1024,
+        max_retries: int = 2,
     ) -> None:
         if colocated is None and (prefill is None or decode is None):
             raise ValueError("workers: give prefill and decode workers, or colocated ones")
@@ -94,6 +112,7 @@ class Coordinator:
         self.colocated = colocated
         self.model = model
         self.max_inflight = max_inflight
+        self.max_retries = max_retries
         self.inflight = 0
         self._background: set[asyncio.Task[None]] = set()
         self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
@@ -167,7 +186,7 @@ class Coordinator:
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         assert self.colocated is not None
         span = timer.span
-        worker = self.colocated.pick()
+        worker = await self.colocated.pick()
         span.set_attribute("pdserve.colocated_worker", worker.address)
         with self.colocated.track(worker):
             call = worker.stub.Generate(
@@ -184,6 +203,8 @@ class Coordinator:
                     response.request_id = parsed.request_id
                     yield response
             except grpc.aio.AioRpcError as e:
+                if e.code() in WORKER_GONE:
+                    self.colocated.failed(worker)
                 raise _worker_error("colocated", worker.address, e) from None
             finally:
                 call.cancel()
@@ -191,23 +212,73 @@ class Coordinator:
     async def _disaggregated(
         self, parsed: ParsedRequest, timeout: float | None, timer: RequestTimer
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Prefill then decode, surviving lost workers: a prefill worker that fails before
+        the first token is replaced by another; a decode worker lost mid-stream is replaced
+        by a new leg (prefill of the prompt plus every token already sent, then decode), so
+        the client's stream goes on without a token repeated or skipped. Up to
+        `max_retries` replacements per request."""
         assert self.prefill is not None and self.decode is not None
-        span = timer.span
-        rid = parsed.request_id
-        wid = worker_request_id(rid)
-        sampling = params_to_proto(parsed.params)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
 
         def remaining() -> float | None:
             return None if deadline is None else max(0.0, deadline - loop.time())
 
-        worker = self.prefill.pick()
+        prompt = list(parsed.token_ids)
+        generated: list[int] = []
+        cached_tokens: int | None = None
+        failed: list = []  # workers this request failed on
+        while True:
+            leg = self._leg(parsed, prompt, generated, remaining, timer, failed)
+            try:
+                async for response, cached in leg:
+                    if cached_tokens is None:
+                        cached_tokens = cached
+                    generated.extend(response.token_ids)
+                    if response.finish_reason:
+                        response.usage.CopyFrom(
+                            usage(len(prompt), len(generated), cached_tokens or 0)
+                        )
+                    yield response
+                return
+            except LegFailed as e:
+                if len(failed) > self.max_retries:
+                    raise e.error from None
+                timer.span.add_event(
+                    "pdserve.retry", {"reason": e.error.message, "tokens_sent": len(generated)}
+                )
+                logger.warning("request %s: %s; retrying", parsed.request_id, e.error.message)
+
+    async def _leg(
+        self,
+        parsed: ParsedRequest,
+        prompt: list[int],
+        generated: list[int],
+        remaining: Callable[[], float | None],
+        timer: RequestTimer,
+        failed: list,
+    ) -> AsyncIterator[tuple[generate_pb2.GenerateResponse, int]]:
+        """One prefill + decode of `prompt + generated`, continuing the request after the
+        tokens already sent. Yields (response, prefill's cached tokens); raises `LegFailed`
+        when a worker is lost (the failed one is appended to `failed`)."""
+        assert self.prefill is not None and self.decode is not None
+        span = timer.span
+        rid = parsed.request_id
+        wid = worker_request_id(rid)
+        tokens = prompt + generated
+        params = parsed.params
+        left = params.max_tokens - len(generated)
+        sampling = params_to_proto(
+            replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(generated)))
+        )
+        block_size = self.prefill.block_size
+        hashes = block_hashes(tokens[:-1], block_size) if block_size else []
+        worker = await self.prefill.pick(hashes, exclude=failed)
         span.set_attribute("pdserve.prefill_worker", worker.address)
         with self.prefill.track(worker):
             call = worker.stub.Prefill(
                 prefill_pb2.PrefillRequest(
-                    request_id=wid, prompt_token_ids=parsed.token_ids, sampling=sampling
+                    request_id=wid, prompt_token_ids=tokens, sampling=sampling
                 ),
                 timeout=remaining(),
                 metadata=metadata_for_call(span),
@@ -215,10 +286,14 @@ class Coordinator:
             try:
                 prefilled = await call
             except grpc.aio.AioRpcError as e:
-                raise _worker_error("prefill", worker.address, e) from None
+                error = _worker_error("prefill", worker.address, e)
+                if e.code() not in WORKER_GONE:
+                    raise error from None
+                self.prefill.failed(worker)
+                failed.append(worker)
+                raise LegFailed(error) from None
             finally:
                 call.cancel()
-        prompt_tokens = len(parsed.token_ids)
         first = generate_pb2.GenerateResponse(
             request_id=rid, token_ids=[prefilled.first_token_id], text=prefilled.text
         )
@@ -226,22 +301,21 @@ class Coordinator:
             first.logprobs.append(prefilled.first_logprobs)
         if prefilled.finish_reason:
             first.finish_reason = prefilled.finish_reason
-            first.usage.CopyFrom(usage(prompt_tokens, 1, prefilled.cached_tokens))
-            yield first
+            yield first, prefilled.cached_tokens
             return
 
         handle = prefilled.kv_handle
         pulled = False  # decode's first message says the blocks are in place
         try:
-            yield first
-            decoder = self.decode.pick()
+            yield first, prefilled.cached_tokens
+            blocks = -(-(len(tokens) + left) // max(1, handle.block_size))
+            decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
             span.set_attribute("pdserve.decode_worker", decoder.address)
-            completion = 1
             with self.decode.track(decoder):
                 call = decoder.stub.Decode(
                     decode_pb2.DecodeRequest(
                         request_id=wid,
-                        prompt_token_ids=parsed.token_ids,
+                        prompt_token_ids=tokens,
                         first_token_id=prefilled.first_token_id,
                         sampling=sampling,
                         kv_handle=handle,
@@ -256,21 +330,21 @@ class Coordinator:
                             timer.handed_off()
                         if not (step.token_ids or step.text or step.finish_reason):
                             continue
-                        completion += len(step.token_ids)
                         out = generate_pb2.GenerateResponse(
                             request_id=rid,
                             token_ids=step.token_ids,
                             text=step.text,
                             logprobs=step.logprobs,
+                            finish_reason=step.finish_reason,
                         )
-                        if step.finish_reason:
-                            out.finish_reason = step.finish_reason
-                            out.usage.CopyFrom(
-                                usage(prompt_tokens, completion, prefilled.cached_tokens)
-                            )
-                        yield out
+                        yield out, prefilled.cached_tokens
                 except grpc.aio.AioRpcError as e:
-                    raise _worker_error("decode", decoder.address, e) from None
+                    error = _worker_error("decode", decoder.address, e)
+                    if e.code() not in WORKER_GONE:
+                        raise error from None
+                    self.decode.failed(decoder)
+                    failed.append(decoder)
+                    raise LegFailed(error) from None
                 finally:
                     call.cancel()
         finally:

@@ -1,24 +1,32 @@
-"""Step 2 and 5 of a request's path: which worker of a pool takes it. Policies:
-`least_loaded` (fewest requests this coordinator has in flight there, round-robin among
-ties; the default) and `round_robin`. Prefix-aware routing comes with scale-out.
+"""Steps 2 and 4 of a request's path: which worker of a pool takes it. Pure decisions over
+what the coordinator knows of each worker (`WorkerState`), so the same code runs in the
+coordinator and in `benchmarks/route_sim.py`. Policies:
 
-Every decision is counted in `pdserve_router_decisions_total{pool, policy, outcome, target}`:
-`outcome` is `picked` (`target` the chosen worker's address) or `no_worker` (`target`
-empty)."""
+- `prefix_aware` (the default): a prefill worker's cost is the prompt blocks it would have
+  to compute (those its prefix cache does not hold, from `PrefixIndex`) times
+  `prefix_weight`, plus its queue (requests running or waiting there) times `load_weight`;
+  the cheapest wins, ties going round-robin. A decode worker is picked by load alone: fewest
+  sequences running or waiting, among those with room for the request's blocks.
+- `least_loaded`: the fewest requests in flight or queued, round-robin among ties.
+- `round_robin`.
+
+Workers that are unhealthy or draining are never picked; `exclude` skips the ones a request
+already failed on. Every decision is counted in
+`pdserve_router_decisions_total{pool, policy, outcome, target}`: `outcome` is `picked`
+(`target` the chosen worker's address) or `no_worker` (`target` empty)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
-from typing import Any
 
-import grpc
 from prometheus_client import Counter
 
-POLICIES = ("least_loaded", "round_robin")
+from pdserve.services.coordinator.prefix_index import PrefixIndex
+
+POLICIES = ("prefix_aware", "least_loaded", "round_robin")
+DEFAULT_POLICY = "prefix_aware"
 
 DECISIONS = Counter(
     "pdserve_router_decisions",
@@ -32,53 +40,87 @@ class NoWorkerError(RuntimeError):
 
 
 @dataclass(eq=False)
-class WorkerEndpoint:
+class WorkerState:
+    """What the router knows of one worker: its own reports, and this coordinator's calls."""
+
     address: str
-    stub: Any
-    channel: grpc.aio.Channel
-    in_flight: int = 0
+    healthy: bool = True
+    draining: bool = False
+    in_flight: int = 0  # this coordinator's requests there now
+    num_running: int = 0  # reported
+    num_waiting: int = 0  # reported
+    free_blocks: int = 0  # reported (0 while unknown)
+    total_blocks: int = 0
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def queue(self) -> int:
+        """Requests it is busy with: what it reports, or what this coordinator sent there
+        since (whichever is more)."""
+        return max(self.in_flight, self.num_running + self.num_waiting)
 
 
-class WorkerPool:
+@dataclass(frozen=True)
+class RouterWeights:
+    prefix_weight: float = 1.0  # cost per prompt block to compute
+    load_weight: float = 8.0  # cost per request queued on the worker, in blocks
+
+
+class Router:
     def __init__(
         self,
-        role: str,
-        addresses: Sequence[str],
-        make_stub: Callable[[grpc.aio.Channel], Any],
-        policy: str = "least_loaded",
+        pool: str,
+        policy: str = DEFAULT_POLICY,
+        weights: RouterWeights | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.role = role
+        self.pool = pool
         self.policy = policy
-        self.workers: list[WorkerEndpoint] = []
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address)
-            self.workers.append(WorkerEndpoint(address, make_stub(channel), channel))
+        self.weights = weights or RouterWeights()
+        self.index = index
         self._turn = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self.workers)
-
-    def pick(self) -> WorkerEndpoint:
-        if not self.workers:
-            DECISIONS.labels(self.role, self.policy, "no_worker", "").inc()
-            raise NoWorkerError(f"no {self.role} worker is configured")
-        start = next(self._turn) % len(self.workers)
-        order = self.workers[start:] + self.workers[:start]
-        by_load = attrgetter("in_flight")
-        chosen = order[0] if self.policy == "round_robin" else min(order, key=by_load)
-        DECISIONS.labels(self.role, self.policy, "picked", chosen.address).inc()
+    def pick(
+        self,
+        workers: Sequence[WorkerState],
+        hashes: Sequence[int] = (),
+        blocks_needed: int = 0,
+        exclude: Collection[WorkerState] = (),
+    ) -> WorkerState:
+        """The worker for a request whose prompt has these full-block `hashes` and needs
+        `blocks_needed` KV blocks. Raises `NoWorkerError`."""
+        candidates = [w for w in workers if w.routable and w not in exclude]
+        if not candidates:
+            DECISIONS.labels(self.pool, self.policy, "no_worker", "").inc()
+            known = len(workers)
+            why = "is configured" if not known else f"of {known} is healthy and untried"
+            raise NoWorkerError(f"no {self.pool} worker {why}")
+        start = next(self._turn) % len(candidates)
+        order = candidates[start:] + candidates[:start]  # ties go round-robin
+        if self.policy == "round_robin":
+            chosen = order[0]
+        elif self.policy == "least_loaded" or self.pool != "prefill":
+            chosen = self._least_loaded(order, blocks_needed)
+        else:
+            chosen = self._cheapest_prefill(order, hashes)
+        DECISIONS.labels(self.pool, self.policy, "picked", chosen.address).inc()
         return chosen
 
-    @contextlib.contextmanager
-    def track(self, worker: WorkerEndpoint) -> Iterator[WorkerEndpoint]:
-        worker.in_flight += 1
-        try:
-            yield worker
-        finally:
-            worker.in_flight -= 1
+    @staticmethod
+    def _least_loaded(order: list[WorkerState], blocks_needed: int) -> WorkerState:
+        roomy = [w for w in order if w.free_blocks >= blocks_needed or not w.total_blocks]
+        return min(roomy or order, key=lambda w: w.queue)
 
-    async def close(self) -> None:
-        for worker in self.workers:
-            await worker.channel.close()
+    def _cheapest_prefill(self, order: list[WorkerState], hashes: Sequence[int]) -> WorkerState:
+        overlaps = self.index.overlaps(hashes) if self.index is not None and hashes else {}
+        total = len(hashes)
+        w_prefix, w_load = self.weights.prefix_weight, self.weights.load_weight
+        return min(
+            order,
+            key=lambda w: w_prefix * (total - overlaps.get(w.address, 0)) + w_load * w.queue,
+        )

@@ -133,7 +133,7 @@ def test_router_counts_each_pick(cluster) -> None:
     def picks(pool: str, target: str) -> float:
         return coordinator.metric(
             "pdserve_router_decisions_total", pool=pool, outcome="picked", target=target,
-            policy="least_loaded",
+            policy="prefix_aware",
         )  # fmt: skip
 
     before = {p: picks(p, cluster[p].grpc) for p in ("prefill", "decode")}

@@ -346,3 +346,18 @@ def test_hashes_are_deterministic_across_processes() -> None:
             timeout=60,
         )
         assert json.loads(out.stdout) == here
+
+
+def test_event_log_follows_the_prefix_cache() -> None:
+    pool = BlockPool(3)
+    [a, b] = pool.get_new_blocks(2)
+    pool.cache_block(a, 11, [1])
+    assert pool.drain_events() == []  # not recording yet
+    pool.record_events()
+    pool.cache_block(b, 22, [2])
+    pool.cache_block(b, 22, [2])  # already cached: no event
+    pool.free_blocks([a, b])
+    assert pool.drain_events() == [(True, 22)]
+    pool.get_new_blocks(3)  # the free one, then a and b, whose hashes go
+    assert pool.drain_events() == [(False, 11), (False, 22)]
+    assert pool.drain_events() == []

@@ -3,13 +3,10 @@ picking. Every refusal names the field as the client spelled it."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from transformers import AutoTokenizer
 
 from pdserve.common.errors import InvalidRequestError
-from pdserve.services.coordinator.router import NoWorkerError, WorkerPool
 from pdserve.services.frontend import Frontend
 from pdserve.v1 import generate_pb2
 
@@ -66,24 +63,3 @@ def test_refusals_name_the_field(frontend, kw, message):
         return
     with pytest.raises(InvalidRequestError, match=message):
         frontend.parse(_request(**kw))
-
-
-def test_pool_least_loaded_and_round_robin():
-    asyncio.run(_pool_checks())
-
-
-async def _pool_checks() -> None:
-    pool = WorkerPool("decode", ["127.0.0.1:1", "127.0.0.1:2"], lambda channel: channel)
-    first = pool.pick()
-    with pool.track(first):
-        assert pool.pick() is not first  # the idle one
-        assert pool.pick() is not first
-    assert {pool.pick().address for _ in range(4)} == {"127.0.0.1:1", "127.0.0.1:2"}
-    rr = WorkerPool("prefill", ["a:1", "b:2", "c:3"], lambda c: c, policy="round_robin")
-    assert [rr.pick().address for _ in range(4)] == ["a:1", "b:2", "c:3", "a:1"]
-    with pytest.raises(NoWorkerError, match="no prefill worker"):
-        WorkerPool("prefill", [], lambda c: c).pick()
-    with pytest.raises(ValueError, match="policy: must be one of"):
-        WorkerPool("prefill", [], lambda c: c, policy="random")
-    await pool.close()
-    await rr.close()

@@ -4,12 +4,10 @@ an empty pool."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from prometheus_client import REGISTRY
 
-from pdserve.services.coordinator.router import NoWorkerError, WorkerPool
+from pdserve.services.coordinator.router import NoWorkerError, Router, WorkerState
 
 NAME = "pdserve_router_decisions_total"
 
@@ -20,30 +18,24 @@ def _count(pool: str, policy: str, outcome: str, target: str) -> float:
 
 
 def test_each_pick_is_counted_by_pool_policy_and_target() -> None:
-    asyncio.run(_picks())
-
-
-async def _picks() -> None:
-    pool = WorkerPool("decode", ["127.0.0.1:1", "127.0.0.1:2"], lambda channel: channel)
-    before = {
-        a: _count("decode", "least_loaded", "picked", a) for a in ("127.0.0.1:1", "127.0.0.1:2")
-    }
-    chosen = [pool.pick().address for _ in range(6)]
+    workers = [WorkerState("127.0.0.1:1"), WorkerState("127.0.0.1:2")]
+    router = Router("decode", "least_loaded")
+    before = {w.address: _count("decode", "least_loaded", "picked", w.address) for w in workers}
+    chosen = [router.pick(workers).address for _ in range(6)]
     for address, was in before.items():
         assert _count("decode", "least_loaded", "picked", address) - was == chosen.count(address)
-    rr = WorkerPool("prefill", ["a:1", "b:2"], lambda c: c, policy="round_robin")
+    rr = Router("prefill", "round_robin")
+    pair = [WorkerState("a:1"), WorkerState("b:2")]
     was = _count("prefill", "round_robin", "picked", "a:1")
-    rr.pick(), rr.pick(), rr.pick()
+    rr.pick(pair), rr.pick(pair), rr.pick(pair)
     assert _count("prefill", "round_robin", "picked", "a:1") - was == 2
-    await pool.close()
-    await rr.close()
 
 
 def test_an_empty_pool_counts_no_worker() -> None:
-    empty = WorkerPool("colocated", [], lambda c: c, policy="round_robin")
+    router = Router("colocated", "round_robin")
     was = _count("colocated", "round_robin", "no_worker", "")
     for _ in range(3):
         with pytest.raises(NoWorkerError):
-            empty.pick()
+            router.pick([])
     assert _count("colocated", "round_robin", "no_worker", "") - was == 3
     assert _count("colocated", "round_robin", "picked", "") == 0

@@ -1,0 +1,194 @@
+"""A pool of workers of one role as the coordinator holds it: a gRPC channel per worker, a
+status stream from each (`WorkerStatusService.Watch`: load, draining, prefix-cache changes)
+keeping its `WorkerState` and the prefix index current, and membership that discovery may
+change at any time. A worker whose stream breaks or goes quiet leaves the routing table at
+once and is retried with backoff until it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.services.coordinator.prefix_index import PrefixIndex
+from pdserve.services.coordinator.router import (
+    NoWorkerError,
+    Router,
+    RouterWeights,
+    WorkerState,
+)
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 0.1
+STALE_AFTER_S = 3.0  # no report for this long: the worker is taken out of routing
+BACKOFF_S = (0.2, 2.0)  # reconnect delay: first, most
+
+
+@dataclass(eq=False)
+class WorkerEndpoint(WorkerState):
+    stub: Any = None
+    channel: grpc.aio.Channel | None = None
+    monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class WorkerPool:
+    """`kv_events`: keep the prefix index from the workers' reports (True) or from this
+    coordinator's own decisions (False: approximate)."""
+
+    def __init__(
+        self,
+        role: str,
+        addresses: Sequence[str],
+        make_stub: Callable[[grpc.aio.Channel], Any],
+        policy: str = "prefix_aware",
+        weights: RouterWeights | None = None,
+        kv_events: bool = True,
+        wait_for_worker_s: float = 5.0,
+    ) -> None:
+        self.role = role
+        self.make_stub = make_stub
+        self.index = PrefixIndex()
+        self.router = Router(role, policy, weights, self.index)
+        self.kv_events = kv_events
+        self.wait_for_worker_s = wait_for_worker_s
+        self.block_size = 0  # from the first report; 0: prompts are not hashed yet
+        self.workers: dict[str, WorkerEndpoint] = {}
+        self._changed = asyncio.Event()
+        self._closed = False
+        self._pending = list(addresses)
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def policy(self) -> str:
+        return self.router.policy
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def start(self) -> None:
+        """Connect to the initial workers (needs the running event loop)."""
+        self.set_addresses(self._pending)
+
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """Discovery's view of the pool: new workers are connected, gone ones retired
+        (calls in flight there finish on their own)."""
+        wanted = set(addresses)
+        for address in wanted - set(self.workers):
+            channel = grpc.aio.insecure_channel(address)
+            worker = WorkerEndpoint(
+                address, healthy=False, stub=self.make_stub(channel), channel=channel
+            )
+            self.workers[address] = worker
+            worker.monitor = asyncio.ensure_future(self._monitor(worker))
+        for address in set(self.workers) - wanted:
+            self._retire(self.workers.pop(address))
+        self._changed.set()
+
+    def _retire(self, worker: WorkerEndpoint) -> None:
+        worker.healthy = False
+        self.index.remove_worker(worker.address)
+        if worker.monitor is not None:
+            worker.monitor.cancel()
+
+        async def close_when_idle() -> None:
+            while worker.in_flight:
+                await asyncio.sleep(0.5)
+            if worker.channel is not None:
+                await worker.channel.close()
+
+        task = asyncio.ensure_future(close_when_idle())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def pick(
+        self,
+        hashes: Sequence[int] = (),
+        blocks_needed: int = 0,
+        exclude: Collection[WorkerState] = (),
+    ) -> WorkerEndpoint:
+        """A worker for this request; waits up to `wait_for_worker_s` when none is routable
+        yet (at start-up, or while a worker comes back). Raises `NoWorkerError`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_for_worker_s
+        while True:
+            try:
+                chosen = self.router.pick(
+                    list(self.workers.values()), hashes, blocks_needed, exclude
+                )
+                break
+            except NoWorkerError:
+                left = deadline - loop.time()
+                if left <= 0 or self._closed:
+                    raise
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+        if not self.kv_events and hashes:
+            self.index.record(chosen.address, hashes)
+        return chosen  # type: ignore[return-value]
+
+    def failed(self, worker: WorkerEndpoint) -> None:
+        """A call to `worker` failed as if it were gone: route around it until its status
+        stream says otherwise."""
+        worker.healthy = False
+
+    @contextlib.contextmanager
+    def track(self, worker: WorkerEndpoint) -> Iterator[WorkerEndpoint]:
+        worker.in_flight += 1
+        try:
+            yield worker
+        finally:
+            worker.in_flight -= 1
+
+    async def close(self) -> None:
+        self._closed = True
+        self._changed.set()
+        for worker in self.workers.values():
+            if worker.monitor is not None:
+                worker.monitor.cancel()
+            if worker.channel is not None:
+                await worker.channel.close()
+
+    async def _monitor(self, worker: WorkerEndpoint) -> None:
+        assert worker.channel is not None
+        stub = worker_pb2_grpc.WorkerStatusServiceStub(worker.channel)
+        backoff = BACKOFF_S[0]
+        while not self._closed:
+            call = stub.Watch(worker_pb2.WatchRequest(interval_s=REPORT_INTERVAL_S))
+            try:
+                reports = aiter(call)
+                while True:
+                    report = await asyncio.wait_for(anext(reports), STALE_AFTER_S)
+                    self._apply(worker, report)
+                    backoff = BACKOFF_S[0]
+            except (grpc.aio.AioRpcError, TimeoutError, StopAsyncIteration) as e:
+                if worker.healthy:
+                    logger.warning("%s worker %s left routing: %s", self.role, worker.address, e)
+            finally:
+                call.cancel()
+            worker.healthy = False
+            if self.kv_events:
+                self.index.remove_worker(worker.address)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, BACKOFF_S[1])
+
+    def _apply(self, worker: WorkerEndpoint, report: worker_pb2.WatchResponse) -> None:
+        was = worker.routable
+        worker.num_running = report.num_running
+        worker.num_waiting = report.num_waiting
+        worker.free_blocks = report.free_blocks
+        worker.total_blocks = report.total_blocks
+        worker.draining = report.draining
+        worker.healthy = True
+        self.block_size = self.block_size or report.block_size
+        if self.kv_events and (report.reset or report.stored or report.evicted):
+            self.index.apply(worker.address, report.stored, report.evicted, report.reset)
+        if worker.routable != was:
+            self._changed.set()

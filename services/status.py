@@ -1,0 +1,115 @@
+"""Every worker's `WorkerStatusService`: what routing needs to know about this worker, as a
+stream to each coordinator. Every `interval` the hub takes, on the engine thread between
+steps, the prefix cache's changes (hashes stored and evicted) and the load (running,
+waiting, free blocks), and sends them to every watcher; a new watcher's first report is the
+whole index, so a restarted coordinator rebuilds its view from the truth. Draining (SIGTERM)
+is reported at once, so routers stop sending new work before the worker goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.services.worker import Worker
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+DEFAULT_INTERVAL_S = 0.1
+MIN_INTERVAL_S = 0.05
+IDLE_DRAIN_S = 1.0  # with no watcher, the event log is still emptied this often
+
+
+class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        engine = worker.loop.engine
+        self.pool = engine.kv_cache.pool
+        self.pool.record_events()
+        self.block_size = engine.kv_cache.block_size
+        self._watchers: dict[int, asyncio.Queue[worker_pb2.WatchResponse | None]] = {}
+        self._fresh: set[int] = set()  # watchers whose first report (the index) is due
+        self._interval = DEFAULT_INTERVAL_S
+        self._wake = asyncio.Event()
+        self.draining = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for queue in self._watchers.values():
+            queue.put_nowait(None)
+
+    async def drain(self, _grace_s: float) -> None:
+        """Tell every watcher now that this worker takes nothing new, then end their streams
+        (so they do not hold the server's drain open)."""
+        self.draining = True
+        self._wake.set()
+        await asyncio.sleep(2 * self._interval + 0.05)  # the draining report goes out
+        for queue in self._watchers.values():
+            queue.put_nowait(None)
+
+    async def Watch(
+        self, request: worker_pb2.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WatchResponse]:
+        if request.interval_s:
+            self._interval = max(MIN_INTERVAL_S, min(self._interval, request.interval_s))
+        key = id(context)
+        queue: asyncio.Queue[worker_pb2.WatchResponse | None] = asyncio.Queue()
+        self._watchers[key] = queue
+        self._fresh.add(key)
+        self._wake.set()
+        try:
+            while (report := await queue.get()) is not None:
+                yield report
+        finally:
+            self._watchers.pop(key, None)
+            self._fresh.discard(key)
+
+    async def _run(self) -> None:
+        loop = self.worker.loop
+        while True:
+            with contextlib.suppress(TimeoutError):
+                wait = self._interval if self._watchers else IDLE_DRAIN_S
+                await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.clear()
+            fresh = set(self._fresh)
+            self._fresh.clear()
+            events, index, load = await loop.call(lambda f=bool(fresh): self._collect(f))
+            if not self._watchers:
+                continue
+            stored = [h for added, h in events if added]
+            evicted = [h for added, h in events if not added]
+            for key, queue in self._watchers.items():
+                report = worker_pb2.WatchResponse(
+                    worker_id=self.worker.worker_id,
+                    role=self.worker.role,
+                    block_size=self.block_size,
+                    draining=self.draining,
+                    **load,
+                )
+                if key in fresh:
+                    report.reset = True
+                    report.stored.extend(index or ())
+                else:
+                    report.stored.extend(stored)
+                    report.evicted.extend(evicted)
+                queue.put_nowait(report)
+
+    def _collect(self, with_index: bool) -> tuple[list[tuple[bool, int]], list[int] | None, dict]:
+        """On the engine thread: the cache's changes, its whole index if asked, the load."""
+        engine = self.worker.loop.engine
+        load = {
+            "num_running": len(engine.scheduler.running),
+            "num_waiting": len(engine.scheduler.waiting) + self.worker.metrics.extra_waiting,
+            "free_blocks": self.pool.num_free_blocks,
+            "total_blocks": self.pool.num_blocks,
+        }
+        events = self.pool.drain_events()
+        return events, list(self.pool.cached) if with_index else None, load

@@ -1,0 +1,108 @@
+"""Routing decisions without processes: the prefix index (reports, evictions, resets,
+approximate mode with its cap), each policy's choice, and unhealthy, draining or already
+failed workers never picked."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.services.coordinator.pool import WorkerPool
+from pdserve.services.coordinator.prefix_index import PrefixIndex
+from pdserve.services.coordinator.router import NoWorkerError, Router, RouterWeights, WorkerState
+
+
+def test_overlap_is_the_run_of_leading_blocks_held() -> None:
+    index = PrefixIndex()
+    index.apply("a", [1, 2, 3])
+    index.apply("b", [1, 2, 9])
+    index.apply("c", [2, 3])  # no first block: no overlap at all
+    assert index.overlaps([1, 2, 3, 4]) == {"a": 3, "b": 2}
+    assert index.overlaps([7, 1]) == {}
+    assert index.overlaps([]) == {}
+
+
+def test_evictions_and_resets_update_the_index() -> None:
+    index = PrefixIndex()
+    index.apply("a", [1, 2, 3])
+    index.apply("a", [], evicted=[2])
+    assert index.overlaps([1, 2, 3]) == {"a": 1}
+    index.apply("a", [5], reset=True)
+    assert index.overlaps([1]) == {} and index.overlaps([5]) == {"a": 1}
+    index.remove_worker("a")
+    assert len(index) == 0 and index.overlaps([5]) == {}
+
+
+def test_approximate_mode_forgets_the_oldest_first() -> None:
+    index = PrefixIndex(approx_capacity=4)
+    index.record("a", [1, 2, 3])
+    index.record("a", [1, 7])  # refreshes 1
+    index.record("a", [8])  # over the cap: 2 goes, the oldest
+    assert len(index) == 4
+    assert index.overlaps([1, 2]) == {"a": 1} and index.overlaps([3]) == {"a": 1}
+
+
+def test_prefix_aware_trades_cached_blocks_against_queue() -> None:
+    index = PrefixIndex()
+    a, b = WorkerState("a"), WorkerState("b")
+    index.apply("a", [1, 2, 3, 4])
+    router = Router("prefill", "prefix_aware", RouterWeights(1.0, 2.0), index)
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert router.pick([a, b], prompt) is a  # 2 blocks to compute vs 6
+    a.in_flight = 3  # 2 + 3 x 2 = 8 vs 6: b
+    assert router.pick([a, b], prompt) is b
+    assert router.pick([a, b], [9, 9]) is b  # nothing cached anywhere: the idle one
+
+
+def test_decode_goes_to_the_least_loaded_with_room() -> None:
+    router = Router("decode", "prefix_aware")
+    busy = WorkerState("busy", num_running=5, free_blocks=100, total_blocks=100)
+    full = WorkerState("full", num_running=0, free_blocks=3, total_blocks=100)
+    idle = WorkerState("idle", num_running=1, free_blocks=50, total_blocks=100)
+    assert router.pick([busy, full, idle], blocks_needed=10) is idle
+    assert router.pick([busy, full], blocks_needed=10) is busy  # full has no room
+    assert router.pick([full], blocks_needed=10) is full  # no one has room: still one
+
+
+@pytest.mark.parametrize("policy", ["prefix_aware", "least_loaded", "round_robin"])
+def test_unroutable_and_excluded_workers_are_skipped(policy: str) -> None:
+    sick = WorkerState("sick", healthy=False)
+    leaving = WorkerState("leaving", draining=True)
+    tried = WorkerState("tried")
+    good = WorkerState("good")
+    router = Router("prefill", policy, index=PrefixIndex())
+    for _ in range(5):
+        assert router.pick([sick, leaving, tried, good], [1], exclude=[tried]) is good
+    with pytest.raises(NoWorkerError, match="of 3 is healthy and untried"):
+        router.pick([sick, leaving, tried], [1], exclude=[tried])
+    with pytest.raises(NoWorkerError, match="no prefill worker is configured"):
+        router.pick([], [1])
+
+
+def test_round_robin_and_least_loaded_spread() -> None:
+    workers = [WorkerState(n) for n in ("a", "b", "c")]
+    rr = Router("prefill", "round_robin")
+    assert [rr.pick(workers).address for _ in range(4)] == ["a", "b", "c", "a"]
+    ll = Router("decode", "least_loaded")
+    workers[0].in_flight = 1
+    assert {ll.pick(workers).address for _ in range(6)} == {"b", "c"}
+    with pytest.raises(ValueError, match="policy: must be one of"):
+        Router("prefill", "random")
+
+
+def test_pool_waits_for_a_worker_then_gives_up() -> None:
+    async def main() -> None:
+        pool = WorkerPool("prefill", ["127.0.0.1:9"], lambda c: c, wait_for_worker_s=0.3)
+        pool.start()
+        with pytest.raises(NoWorkerError, match="of 1 is healthy"):
+            await pool.pick()  # nothing listens on port 9: never healthy
+        worker = pool.workers["127.0.0.1:9"]
+        worker.healthy = True  # as a status report would
+        pool._changed.set()
+        assert await pool.pick() is worker
+        pool.set_addresses([])
+        assert len(pool) == 0
+        await pool.close()
+
+    asyncio.run(main())
