@@ -118,6 +118,19 @@ def run_generate_ranks(
     engine: LLMEngine, infile: TextIO, outfile: TextIO, defaults: Defaults
 ) -> int:
     """This rank's part of `pdserve generate`; on rank 0 returns the number of bad lines."""
+    try:
+        return _generate_on_rank(engine, infile, outfile, defaults)
+    except RuntimeError as exc:  # a peer died or hung: a collective failed or timed out
+        text = str(exc).strip()
+        reason = text.splitlines()[0] if text else type(exc).__name__
+        raise PdserveError(
+            f"expert-parallel rank {dist.get_rank()}: the group failed: {reason}"
+        ) from None
+
+
+def _generate_on_rank(
+    engine: LLMEngine, infile: TextIO, outfile: TextIO, defaults: Defaults
+) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[int, dict[str, Any]] = {}
     good: list[tuple[int, int, Any, Any]] = []  # (index, line number, prompt, params)

@@ -147,6 +147,55 @@ def test_expert_parallel_bad_values(tmp_path, default_model_dir, model, ranks, m
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_group_fast(tmp_path, default_model_dir):
+    """Rank 1 killed mid-run: rank 0 reports it and exits at once, no hang."""
+    import signal
+    import time
+
+    from test_moe_greedy import build_tiny_moe
+
+    folder = build_tiny_moe(tmp_path / "mixtral", "mixtral", default_model_dir)
+    row = {"token_ids": list(range(3, 23)), "max_tokens": 480, "ignore_eos": True}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text((json.dumps(row) + "\n") * 8)
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "generate", "--no-progress",
+           "--model", str(folder), "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+           "--dtype", "float32", "--kv-cache-tokens", "8192", "--expert-parallel", "2"]  # fmt: skip
+    env = dict(os.environ, PDSERVE_THREADS="1")
+    rank0 = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _children_of(rank0.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert children, "rank 1 never started"
+        time.sleep(3)  # loading or stepping: either way the group must end at once
+        assert rank0.poll() is None, rank0.communicate()[1]
+        os.kill(children[0], signal.SIGKILL)
+        # Far below the group's collective timeout (300 s): the death itself is noticed.
+        _, err = rank0.communicate(timeout=60)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
+    assert rank0.returncode == 1
+    assert "expert-parallel rank 1 exited" in err and "Traceback" not in err
+
+
 def _rank_main(case: str, rank: int, world: int, port: int, tmp: Path) -> None:
     import torch.distributed as dist
 
