@@ -1,0 +1,186 @@
+"""Scale-out on real processes: 2 prefill + 2 decode workers behind one coordinator, the
+default model. Prefix-aware routing keeps a conversation on the prefill worker that caches
+it (read from the workers' own counters, against round-robin); `kill -9` of a decode or a
+prefill worker with 16 greedy streams in flight loses no request and changes no token; a
+worker started again later is picked up and used."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve.v1 import generate_pb2, generate_pb2_grpc
+from services import running, start
+
+pytestmark = pytest.mark.slow
+
+WORKER_ARGS = ["--kv-cache-tokens", "8192", "--threads", "1"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for writing clear code.",
+    "Explain in two sentences why the sky is blue.",
+    "What is 17 times 23?",
+    "Name three planets of the solar system.",
+    "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.",
+]
+MAX_TOKENS = 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ports = {name: free_port() for name in ("p0", "p1", "d0", "d1")}
+    services = {}
+    try:
+        for name, port in ports.items():
+            role = "prefill" if name.startswith("p") else "decode"
+            services[name] = start(role, *WORKER_ARGS, "--port", str(port))
+        coordinator = start(
+            "coordinator",
+            f"--prefill-workers={services['p0'].grpc},{services['p1'].grpc}",
+            f"--decode-workers={services['d0'].grpc},{services['d1'].grpc}",
+        )
+        services["coordinator"] = coordinator
+        yield {"services": services, "ports": ports}
+    finally:
+        for service in services.values():
+            service.stop()
+
+
+def generate(address: str, question: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        request = generate_pb2.GenerateRequest(
+            messages=[generate_pb2.ChatMessage(role="user", content=question)],
+            sampling=generate_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True
+            ),
+        )
+        return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
+
+
+def streams_with_a_kill(cluster, victim: str, when) -> list[list[int]]:
+    """16 greedy streams; `victim` gets SIGKILL once `when(services)` holds."""
+    services = cluster["services"]
+    address = services["coordinator"].grpc
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(generate, address, q) for q in questions]
+        deadline = time.monotonic() + 120
+        while not when(services) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        services[victim].kill()
+        return [f.result() for f in futures], questions
+
+
+def restart(cluster, name: str) -> None:
+    role = "prefill" if name.startswith("p") else "decode"
+    cluster["services"][name] = start(role, *WORKER_ARGS, "--port", str(cluster["ports"][name]))
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[str, list[int]]:
+    address = cluster["services"]["coordinator"].grpc
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda q: generate(address, q), questions))
+    return dict(zip(questions, outs, strict=True))
+
+
+def test_decode_worker_killed_mid_stream(cluster, reference):
+    def decoding_on_both(services) -> bool:
+        return all(services[d].metric("pdserve_num_requests_running") >= 2 for d in ("d0", "d1"))
+
+    outs, questions = streams_with_a_kill(cluster, "d0", decoding_on_both)
+    for q, out in zip(questions, outs, strict=True):
+        assert out == reference[q], q
+    coordinator = cluster["services"]["coordinator"]
+    assert coordinator.metric("pdserve_request_failure_total") == 0
+    restart(cluster, "d0")
+    d0 = cluster["services"]["d0"]
+    before = coordinator.metric("pdserve_router_decisions_total", target=d0.grpc)
+    deadline = time.monotonic() + 30
+    while coordinator.metric("pdserve_router_decisions_total", target=d0.grpc) == before:
+        assert generate(coordinator.grpc, QUESTIONS[0], 4)
+        assert time.monotonic() < deadline, "the restarted decode worker was never picked"
+    deadline = time.monotonic() + 10  # its own record of a decoded request trails the stream
+    while d0.metric("pdserve_request_decode_time_seconds_count") < 1:
+        assert time.monotonic() < deadline, "the restarted decode worker decoded nothing"
+        time.sleep(0.1)
+
+
+def test_prefill_worker_killed_with_requests_in_flight(cluster, reference):
+    def prefilling(services) -> bool:
+        return services["p1"].metric("pdserve_num_requests_running") >= 1
+
+    outs, questions = streams_with_a_kill(cluster, "p1", prefilling)
+    for q, out in zip(questions, outs, strict=True):
+        assert out == reference[q], q
+    assert cluster["services"]["coordinator"].metric("pdserve_request_failure_total") == 0
+    restart(cluster, "p1")
+
+
+def conversation_hit_rate(cluster, policy: str, tag: str) -> float:
+    """Multi-turn chats (a long per-conversation system prompt, 3 turns each) through a
+    coordinator with `policy`; the prefill workers' prefix-cache hit rate over them."""
+    services = cluster["services"]
+    prefills = [services["p0"], services["p1"]]
+
+    def counters() -> tuple[float, float]:
+        q = sum(p.metric("pdserve_prefix_cache_queries_total") for p in prefills)
+        h = sum(p.metric("pdserve_prefix_cache_hits_total") for p in prefills)
+        return q, h
+
+    with running(
+        "coordinator",
+        f"--prefill-workers={prefills[0].grpc},{prefills[1].grpc}",
+        f"--decode-workers={services['d0'].grpc},{services['d1'].grpc}",
+        f"--policy={policy}",
+    ) as coordinator:
+        q0, h0 = counters()
+
+        def chat(i: int) -> None:
+            system = f"[{tag}-{i}] " + " ".join(f"Rule {k}: be brief and kind." for k in range(25))
+            messages = [generate_pb2.ChatMessage(role="system", content=system)]
+            with grpc.insecure_channel(coordinator.grpc) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                for turn in range(3):
+                    messages.append(generate_pb2.ChatMessage(role="user", content=f"Step {turn}?"))
+                    reply = "".join(
+                        r.text
+                        for r in stub.Generate(
+                            generate_pb2.GenerateRequest(
+                                messages=messages,
+                                sampling=generate_pb2.SamplingParams(max_tokens=6, temperature=0),
+                            ),
+                            timeout=300,
+                        )
+                    )
+                    messages.append(generate_pb2.ChatMessage(role="assistant", content=reply))
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(0.5)  # the workers' counters trail their engine by a step
+        q1, h1 = counters()
+    return (h1 - h0) / (q1 - q0)
+
+
+def test_prefix_aware_routing_beats_round_robin(cluster):
+    round_robin = conversation_hit_rate(cluster, "round_robin", "rr")
+    prefix_aware = conversation_hit_rate(cluster, "prefix_aware", "pa")
+    assert prefix_aware >= round_robin + 0.15, (prefix_aware, round_robin)
