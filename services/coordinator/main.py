@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pdserve.services.coordinator.router import DEFAULT_POLICY, POLICIES, RouterWeights
+
+if TYPE_CHECKING:
+    from pdserve.services.coordinator.discovery import Discovery
 from pdserve.services.engine_args import env, int_env
 from pdserve.services.service_args import add_service_args
 
@@ -93,6 +98,9 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         help="requests in flight at once; more are refused with RESOURCE_EXHAUSTED / HTTP "
         "429 (default: %(default)s)",
     )
+    from pdserve.services.coordinator.discovery import add_discovery_args
+
+    add_discovery_args(p)
     add_http_args(p, None)
 
 
@@ -138,23 +146,20 @@ def _split(value: str) -> list[str]:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    prefill, decode, colocated = (
-        _split(args.prefill_workers),
-        _split(args.decode_workers),
-        _split(args.colocated_workers),
-    )
-    if not colocated and not (prefill and decode):
-        raise ValueError(
-            "workers: give --prefill-workers and --decode-workers, or --colocated-workers"
-        )
-    code = asyncio.run(_serve(args, prefill, decode, colocated))
+    from pdserve.services.coordinator.discovery import build_discovery
+
+    static = {
+        "prefill": _split(args.prefill_workers),
+        "decode": _split(args.decode_workers),
+        "colocated": _split(args.colocated_workers),
+    }
+    discovery = build_discovery(args, static)  # raises ValueError naming what is missing
+    code = asyncio.run(_serve(args, discovery))
     sys.stdout.flush()
     os._exit(code)
 
 
-async def _serve(
-    args: argparse.Namespace, prefill: list[str], decode: list[str], colocated: list[str]
-) -> int:
+async def _serve(args: argparse.Namespace, discovery: Discovery) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.common.model_files import resolve_model
@@ -184,14 +189,14 @@ async def _serve(
         "kv_events": not args.no_kv_events,
     }
     pools = {
-        "prefill": WorkerPool("prefill", prefill, prefill_pb2_grpc.PrefillServiceStub, **routing),
-        "decode": WorkerPool("decode", decode, decode_pb2_grpc.DecodeServiceStub, **routing),
-        "colocated": WorkerPool(
-            "colocated", colocated, generate_pb2_grpc.GenerateServiceStub, **routing
-        ),
+        "prefill": WorkerPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub, **routing),
+        "decode": WorkerPool("decode", [], decode_pb2_grpc.DecodeServiceStub, **routing),
+        "colocated": WorkerPool("colocated", [], generate_pb2_grpc.GenerateServiceStub, **routing),
     }
-    for pool in pools.values():
-        pool.start()
+    colocated = "colocated" in discovery.roles
+    watching = asyncio.ensure_future(
+        discovery.run(lambda role, addresses: pools[role].set_addresses(addresses))
+    )
     process = ServiceProcess(args.host, args.port, args.metrics_port)
     identity = {
         "model": model_dir.name,
@@ -221,6 +226,9 @@ async def _serve(
         process.on_drain(http.drain)
 
     async def close_pools() -> None:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
         for pool in pools.values():
             await pool.close()
         shutdown_tracing()

@@ -99,7 +99,12 @@ class Router:
             DECISIONS.labels(self.pool, self.policy, "no_worker", "").inc()
             known = len(workers)
             why = "is configured" if not known else f"of {known} is healthy and untried"
-            raise NoWorkerError(f"no {self.pool} worker {why}")
+            states = ", ".join(
+                f"{w.address}: "
+                + ("tried" if w in exclude else "draining" if w.draining else "unreachable")
+                for w in workers[:4]
+            )
+            raise NoWorkerError(f"no {self.pool} worker {why}" + (f" ({states})" if states else ""))
         start = next(self._turn) % len(candidates)
         order = candidates[start:] + candidates[:start]  # ties go round-robin
         if self.policy == "round_robin":

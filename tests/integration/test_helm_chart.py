@@ -36,7 +36,6 @@ from pdserve.services.cli import build_parser
 from pdserve.services.coordinator.discovery import (
     LabelSelector,
     StaticDiscovery,
-    add_discovery_args,
     build_discovery,
 )
 
@@ -157,10 +156,6 @@ def parse_container(c: dict, monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setenv(name, value)
     args = [str(a) for a in c["args"]]
     parser, sub = subcommand_parser(args[0])
-    if args[0] == "coordinator" and "discovery" not in {a.dest for a in sub._actions}:
-        # Until `pdserve coordinator` takes the discovery flags itself: the same group added
-        # here, so the chart's PDSERVE_DISCOVERY / *_SELECTOR / K8S_* are still checked.
-        add_discovery_args(sub)
     dests = {a.dest for a in sub._actions}
     return parser.parse_args(args), dests, env
 
