@@ -53,18 +53,26 @@ _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "function-after", "
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        usage: dict[str, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.usage = usage  # a request that failed part way: what it had generated
+
+    def body(self) -> dict[str, Any]:
+        body = error_body(self.status, self.message, self.param, self.code)
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
-        return JSONResponse(
-            error_body(self.status, self.message, self.param, self.code),
-            status_code=self.status,
-            headers=headers,
-        )
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _param(field: str | None) -> str | None:
@@ -83,7 +91,16 @@ def api_error(e: RequestFailed | InvalidRequestError) -> ApiError:
     param, message = _param(e.field), e.message
     if e.field and param and message.startswith(f"{e.field}: "):
         message = f"{param}: {message.removeprefix(f'{e.field}: ')}"
-    return ApiError(status, message, param, code)
+    usage = None
+    if e.usage is not None:
+        u = e.usage
+        usage = {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        }
+    return ApiError(status, message, param, code, usage)
 
 
 class OpenAIServer:
@@ -242,8 +259,7 @@ class OpenAIServer:
             if body.include_usage:
                 yield sse(fmt.usage_chunk(choices, body.n))
         except RequestFailed as e:
-            error = api_error(e)
-            yield sse(error_body(error.status, error.message, error.param, error.code))
+            yield sse(api_error(e).body())
         finally:
             await stream.aclose()
         yield sse("[DONE]")

@@ -47,6 +47,7 @@ class RequestFailed(Exception):
         self.message = message
         self.field = field
         self.context_length = context_length  # the prompt does not fit the context
+        self.usage: generate_pb2.Usage | None = None  # what was generated before it failed
 
 
 def request_attributes(request: generate_pb2.GenerateRequest, model: str) -> dict:
@@ -241,13 +242,21 @@ class Coordinator:
                         )
                     yield response
                 return
-            except LegFailed as e:
-                if len(failed) > self.max_retries:
-                    raise e.error from None
-                timer.span.add_event(
-                    "pdserve.retry", {"reason": e.error.message, "tokens_sent": len(generated)}
+            except (LegFailed, NoWorkerError) as e:
+                error = (
+                    e.error
+                    if isinstance(e, LegFailed)
+                    else RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e))
                 )
-                logger.warning("request %s: %s; retrying", parsed.request_id, e.error.message)
+                if isinstance(e, NoWorkerError) or len(failed) > self.max_retries:
+                    error.usage = usage(len(prompt), len(generated), cached_tokens or 0)
+                    if generated:
+                        error.message += f" ({len(generated)} tokens were sent before)"
+                    raise error from None
+                timer.span.add_event(
+                    "pdserve.retry", {"reason": error.message, "tokens_sent": len(generated)}
+                )
+                logger.warning("request %s: %s; retrying", parsed.request_id, error.message)
 
     async def _leg(
         self,

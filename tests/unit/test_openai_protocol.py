@@ -166,3 +166,14 @@ def test_logprob_shapes() -> None:
         {"ab": pytest.approx(-0.5), "c": pytest.approx(-1.5)}
     ]
     assert (first["text_offset"], second["text_offset"]) == ([0], [2])
+
+
+def test_a_failure_part_way_carries_its_usage() -> None:
+    import grpc
+
+    failed = RequestFailed(grpc.StatusCode.UNAVAILABLE, "decode worker gone")
+    failed.usage = _usage(10, 4, 2)
+    body = api_error(failed).body()
+    assert body["error"]["code"] == "unavailable"
+    assert body["usage"]["completion_tokens"] == 4 and body["usage"]["total_tokens"] == 14
+    assert "usage" not in api_error(RequestFailed(grpc.StatusCode.UNAVAILABLE, "x")).body()
