@@ -48,6 +48,7 @@ $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	$(MAKE) --no-print-directory protos
 	$(PY) -m pdserve.kernels.cpu_extension
 	$(PY) -m pdserve.kernels.fused_ops
+	$(PY) -m pdserve.kernels.skinny_linear
 	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
 	touch $(STAMP)
 
