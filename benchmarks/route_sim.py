@@ -133,6 +133,7 @@ class Simulation:
         worker = next(p for p in self.prefill if p.state is chosen)
         worker.queue.append(request)
         worker.state.num_waiting += 1
+        worker.state.update_queue()
         if worker.busy_until <= t:
             self._next_prefill(worker, t)
 
@@ -142,6 +143,7 @@ class Simulation:
         request = worker.queue.pop(0)
         worker.state.num_waiting -= 1
         worker.state.num_running = 1
+        worker.state.update_queue()
         hit = worker.cached_blocks(request.blocks)
         request.cached = min(hit * BLOCK, request.tokens - 1)
         cost = self.costs.prefill_base_s + self.costs.prefill_per_token_s * (
@@ -152,6 +154,7 @@ class Simulation:
 
         def done(now: float) -> None:
             worker.state.num_running = 0
+            worker.state.update_queue()
             worker.store(request.blocks, self.index)
             request.first = now
             self._to_decode(request, now)
@@ -164,6 +167,7 @@ class Simulation:
         worker = next(d for d in self.decode if d.state is chosen)
         worker.running.append([request, request.output - 1])
         worker.state.num_running += 1
+        worker.state.update_queue()
         if not worker.stepping:
             worker.stepping = True
             self._step(worker, t)
@@ -182,6 +186,7 @@ class Simulation:
                     request = entry[0]
                     request.done = now
                     worker.state.num_running -= 1
+                    worker.state.update_queue()
                     self.finished.append(request)
                     if request.on_done is not None:
                         request.on_done(now)

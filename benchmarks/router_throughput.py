@@ -62,6 +62,7 @@ def main() -> int:
         prompts.append(head + [rng.getrandbits(63) for _ in range(args.prefix_blocks - shared)])
     for w in workers:
         w.num_running, w.num_waiting = rng.randrange(8), rng.randrange(4)
+        w.update_queue()
 
     start = time.perf_counter()
     for hashes in prompts:

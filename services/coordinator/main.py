@@ -68,6 +68,13 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         "the workers' cache reports (approximate)",
     )
     g.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=int_env("local_prefill_tokens") or 0,
+        help="skip the KV transfer when a decode worker caches all of a prompt but at most "
+        "this many tokens: it computes them itself (0: never; default: %(default)s)",
+    )
+    g.add_argument(
         "--max-retries",
         type=int,
         default=int(env("max_retries", "2") or 2),
@@ -203,6 +210,7 @@ async def _serve(args: argparse.Namespace, discovery: Discovery) -> int:
         "worker_id": f"coordinator-{process.port}",
         "max_inflight": args.max_inflight_requests,
         "max_retries": args.max_retries,
+        "local_prefill_tokens": args.local_prefill_tokens,
     }
     if colocated:
         coordinator = Coordinator(frontend, colocated=pools["colocated"], **identity)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from prometheus_client import Counter
 
 from pdserve.services.coordinator.prefix_index import PrefixIndex
 from pdserve.services.coordinator.router import (
@@ -25,6 +26,13 @@ from pdserve.services.coordinator.router import (
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+LOCAL_PREFILLS = Counter(
+    "pdserve_router_local_prefills",
+    "Requests sent straight to a decode worker that computed the prompt itself (its cache "
+    "held all but a short tail, so no KV moved)",
+    ("pool", "target"),
+)
 
 REPORT_INTERVAL_S = 0.1
 STALE_AFTER_S = 3.0  # no report for this long: the worker is taken out of routing
@@ -134,6 +142,32 @@ class WorkerPool:
             self.index.record(chosen.address, hashes)
         return chosen  # type: ignore[return-value]
 
+    def local_prefill_worker(
+        self, hashes: Sequence[int], num_tokens: int, max_uncached: int, blocks_needed: int,
+        exclude: Collection[WorkerState] = (),
+    ) -> WorkerEndpoint | None:  # fmt: skip
+        """A worker of this (decode) pool that caches all but at most `max_uncached` of the
+        prompt, has room for it and would rather compute the rest than receive KV; None
+        when there is none."""
+        if not hashes or not self.block_size:
+            return None
+        best: WorkerEndpoint | None = None
+        best_key = (0, 0)
+        for address, overlap in self.index.overlaps(hashes).items():
+            worker = self.workers.get(address)
+            if worker is None or not worker.routable or worker in exclude:
+                continue
+            if worker.total_blocks and worker.free_blocks < blocks_needed:
+                continue
+            if num_tokens - overlap * self.block_size > max_uncached:
+                continue
+            key = (overlap, -worker.queue)
+            if best is None or key > best_key:
+                best, best_key = worker, key
+        if best is not None:
+            LOCAL_PREFILLS.labels(self.role, best.address).inc()
+        return best
+
     def failed(self, worker: WorkerEndpoint) -> None:
         """A call to `worker` failed as if it were gone: route around it until its status
         stream says otherwise."""
@@ -142,10 +176,12 @@ class WorkerPool:
     @contextlib.contextmanager
     def track(self, worker: WorkerEndpoint) -> Iterator[WorkerEndpoint]:
         worker.in_flight += 1
+        worker.update_queue()
         try:
             yield worker
         finally:
             worker.in_flight -= 1
+            worker.update_queue()
 
     async def close(self) -> None:
         self._closed = True
@@ -183,6 +219,7 @@ class WorkerPool:
         was = worker.routable
         worker.num_running = report.num_running
         worker.num_waiting = report.num_waiting
+        worker.update_queue()
         worker.free_blocks = report.free_blocks
         worker.total_blocks = report.total_blocks
         worker.draining = report.draining

@@ -102,6 +102,7 @@ class Coordinator:
         worker_id: str = "coordinator",
         max_inflight: int = 1024,
         max_retries: int = 2,
+        local_prefill_tokens: int = 0,
     ) -> None:
         if colocated is None and (prefill is None or decode is None):
             raise ValueError("workers: give prefill and decode workers, or colocated ones")
@@ -114,6 +115,7 @@ class Coordinator:
         self.model = model
         self.max_inflight = max_inflight
         self.max_retries = max_retries
+        self.local_prefill_tokens = local_prefill_tokens
         self.inflight = 0
         self._background: set[asyncio.Task[None]] = set()
         self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
@@ -280,6 +282,29 @@ class Coordinator:
         sampling = params_to_proto(
             replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(generated)))
         )
+        if self.local_prefill_tokens > 0:
+            bs = self.decode.block_size
+            blocks = -(-(len(tokens) + left) // max(1, bs))
+            local = self.decode.local_prefill_worker(
+                block_hashes(tokens[:-1], bs) if bs else [],
+                len(tokens),
+                self.local_prefill_tokens,
+                blocks,
+                exclude=failed,
+            )
+            if local is not None:
+                call = local.stub.Decode(
+                    decode_pb2.DecodeRequest(
+                        request_id=wid, prompt_token_ids=tokens, sampling=sampling
+                    ),
+                    timeout=remaining(),
+                    metadata=metadata_for_call(span),
+                )
+                span.set_attribute("pdserve.decode_worker", local.address)
+                span.set_attribute("pdserve.local_prefill", True)
+                async for item in self._relay_decode(call, local, rid, timer, failed, None):
+                    yield item
+                return
         block_size = self.prefill.block_size
         hashes = block_hashes(tokens[:-1], block_size) if block_size else []
         worker = await self.prefill.pick(hashes, exclude=failed)
@@ -320,45 +345,63 @@ class Coordinator:
             blocks = -(-(len(tokens) + left) // max(1, handle.block_size))
             decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
             span.set_attribute("pdserve.decode_worker", decoder.address)
-            with self.decode.track(decoder):
-                call = decoder.stub.Decode(
-                    decode_pb2.DecodeRequest(
-                        request_id=wid,
-                        prompt_token_ids=tokens,
-                        first_token_id=prefilled.first_token_id,
-                        sampling=sampling,
-                        kv_handle=handle,
-                    ),
-                    timeout=remaining(),
-                    metadata=metadata_for_call(span),
-                )
-                try:
-                    async for step in call:
-                        if not pulled:
-                            pulled = True
-                            timer.handed_off()
-                        if not (step.token_ids or step.text or step.finish_reason):
-                            continue
-                        out = generate_pb2.GenerateResponse(
-                            request_id=rid,
-                            token_ids=step.token_ids,
-                            text=step.text,
-                            logprobs=step.logprobs,
-                            finish_reason=step.finish_reason,
-                        )
-                        yield out, prefilled.cached_tokens
-                except grpc.aio.AioRpcError as e:
-                    error = _worker_error("decode", decoder.address, e)
-                    if e.code() not in WORKER_GONE:
-                        raise error from None
-                    self.decode.failed(decoder)
-                    failed.append(decoder)
-                    raise LegFailed(error) from None
-                finally:
-                    call.cancel()
+            call = decoder.stub.Decode(
+                decode_pb2.DecodeRequest(
+                    request_id=wid,
+                    prompt_token_ids=tokens,
+                    first_token_id=prefilled.first_token_id,
+                    sampling=sampling,
+                    kv_handle=handle,
+                ),
+                timeout=remaining(),
+                metadata=metadata_for_call(span),
+            )
+            async for item in self._relay_decode(call, decoder, rid, timer, failed, prefilled):
+                pulled = True  # decode has the blocks (releasing a pulled lease is a no-op)
+                yield item
         finally:
             if not pulled:  # failed or cancelled before the pull: free prefill's blocks
                 self._release(worker, handle.lease_id)
+
+    async def _relay_decode(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        decoder: WorkerEndpoint,
+        rid: str,
+        timer: RequestTimer,
+        failed: list,
+        prefilled: prefill_pb2.PrefillResponse | None,
+    ) -> AsyncIterator[tuple[generate_pb2.GenerateResponse, int]]:
+        """Decode's stream as (response, cached prompt tokens); its first message (blocks in
+        place) is the handoff. A lost decode worker raises `LegFailed`."""
+        assert self.decode is not None
+        with self.decode.track(decoder):
+            try:
+                handed_off = False
+                async for step in call:
+                    if not handed_off:
+                        handed_off = True
+                        if prefilled is not None:
+                            timer.handed_off()
+                    if not (step.token_ids or step.text or step.finish_reason):
+                        continue
+                    out = generate_pb2.GenerateResponse(
+                        request_id=rid,
+                        token_ids=step.token_ids,
+                        text=step.text,
+                        logprobs=step.logprobs,
+                        finish_reason=step.finish_reason,
+                    )
+                    yield out, (prefilled.cached_tokens if prefilled else step.cached_tokens)
+            except grpc.aio.AioRpcError as e:
+                error = _worker_error("decode", decoder.address, e)
+                if e.code() not in WORKER_GONE:
+                    raise error from None
+                self.decode.failed(decoder)
+                failed.append(decoder)
+                raise LegFailed(error) from None
+            finally:
+                call.cancel()
 
     def _release(self, worker: WorkerEndpoint, lease_id: str) -> None:
         """Ask the prefill worker to free a lease, in the background (a lease that was

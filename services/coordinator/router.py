@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 
 from prometheus_client import Counter
 
@@ -35,13 +36,17 @@ DECISIONS = Counter(
 )
 
 
+_QUEUE = attrgetter("queue")
+
+
 class NoWorkerError(RuntimeError):
     """The pool has no worker to send to."""
 
 
 @dataclass(eq=False)
 class WorkerState:
-    """What the router knows of one worker: its own reports, and this coordinator's calls."""
+    """What the router knows of one worker: its own reports, and this coordinator's calls.
+    Call `update_queue` after changing `in_flight`, `num_running` or `num_waiting`."""
 
     address: str
     healthy: bool = True
@@ -51,16 +56,19 @@ class WorkerState:
     num_waiting: int = 0  # reported
     free_blocks: int = 0  # reported (0 while unknown)
     total_blocks: int = 0
+    # Requests it is busy with: what it reports, or what this coordinator sent there since
+    # (whichever is more). Kept as a field: routing reads it for every worker of a pool.
+    queue: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.update_queue()
+
+    def update_queue(self) -> None:
+        self.queue = max(self.in_flight, self.num_running + self.num_waiting)
 
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining
-
-    @property
-    def queue(self) -> int:
-        """Requests it is busy with: what it reports, or what this coordinator sent there
-        since (whichever is more)."""
-        return max(self.in_flight, self.num_running + self.num_waiting)
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,9 @@ class Router:
     ) -> WorkerState:
         """The worker for a request whose prompt has these full-block `hashes` and needs
         `blocks_needed` KV blocks. Raises `NoWorkerError`."""
-        candidates = [w for w in workers if w.routable and w not in exclude]
+        candidates = [w for w in workers if w.healthy and not w.draining]
+        if exclude:
+            candidates = [w for w in candidates if w not in exclude]
         if not candidates:
             DECISIONS.labels(self.pool, self.policy, "no_worker", "").inc()
             known = len(workers)
@@ -118,14 +128,26 @@ class Router:
 
     @staticmethod
     def _least_loaded(order: list[WorkerState], blocks_needed: int) -> WorkerState:
-        roomy = [w for w in order if w.free_blocks >= blocks_needed or not w.total_blocks]
-        return min(roomy or order, key=lambda w: w.queue)
+        if blocks_needed:
+            roomy = [w for w in order if w.free_blocks >= blocks_needed or not w.total_blocks]
+            order = roomy or order
+        return min(order, key=_QUEUE)
 
     def _cheapest_prefill(self, order: list[WorkerState], hashes: Sequence[int]) -> WorkerState:
-        overlaps = self.index.overlaps(hashes) if self.index is not None and hashes else {}
-        total = len(hashes)
+        """Most workers cache nothing of a prompt: the best of those is the least loaded
+        (one C-level scan); only the few that cache some of it are costed one by one."""
         w_prefix, w_load = self.weights.prefix_weight, self.weights.load_weight
-        return min(
-            order,
-            key=lambda w: w_prefix * (total - overlaps.get(w.address, 0)) + w_load * w.queue,
-        )
+        best = min(order, key=_QUEUE)
+        overlaps = self.index.overlaps(hashes) if self.index is not None and hashes else {}
+        if not overlaps:
+            return best
+        best_cost = w_prefix * len(hashes) + w_load * best.queue
+        by_address = {w.address: w for w in order}
+        for address, overlap in overlaps.items():
+            worker = by_address.get(address)
+            if worker is None:
+                continue
+            cost = w_prefix * (len(hashes) - overlap) + w_load * worker.queue
+            if cost < best_cost:
+                best, best_cost = worker, cost
+        return best

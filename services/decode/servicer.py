@@ -64,6 +64,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def _decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        if not request.HasField("kv_handle"):
+            async for response in self._local(request, context, span):
+                yield response
+            return
         loop = self.worker.loop
         engine = loop.engine
         rid = request.request_id
@@ -112,6 +116,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             loop.close_stream(rid)
             if not finished:  # refused, failed, or the caller left: give everything back
                 loop.submit(lambda: self.admission.withdraw(req))
+            span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
+            record_phases(span, req)
+            if finished:
+                self.worker.metrics.request_done(req)
+
+    async def _local(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """No KV handle: prefill here (the coordinator found the prompt mostly cached here,
+        so moving KV would cost more than computing the rest)."""
+        loop = self.worker.loop
+        span.set_attribute("pdserve.local_prefill", True)
+        try:
+            if not request.request_id:
+                raise InvalidRequestError("request_id", "must not be empty")
+            if not request.prompt_token_ids:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            params = params_from_proto(request.sampling)
+            req = await loop.add(list(request.prompt_token_ids), params, request.request_id)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        yield decode_pb2.DecodeResponse(pulled_blocks=0)
+        finished = False
+        try:
+            async for out in loop.stream(request.request_id):
+                finished = out.finished
+                yield decode_pb2.DecodeResponse(
+                    token_ids=out.new_token_ids,
+                    text=out.new_text,
+                    finish_reason=out.finish_reason or "",
+                    logprobs=logprobs_to_proto(out.new_logprobs),
+                    cached_tokens=out.cached_tokens if out.finished else 0,
+                )
+        finally:
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
             if finished:

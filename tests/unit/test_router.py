@@ -50,7 +50,8 @@ def test_prefix_aware_trades_cached_blocks_against_queue() -> None:
     router = Router("prefill", "prefix_aware", RouterWeights(1.0, 2.0), index)
     prompt = [1, 2, 3, 4, 5, 6]
     assert router.pick([a, b], prompt) is a  # 2 blocks to compute vs 6
-    a.in_flight = 3  # 2 + 3 x 2 = 8 vs 6: b
+    a.in_flight = 3
+    a.update_queue()  # 2 + 3 x 2 = 8 vs 6: b
     assert router.pick([a, b], prompt) is b
     assert router.pick([a, b], [9, 9]) is b  # nothing cached anywhere: the idle one
 
@@ -86,6 +87,7 @@ def test_round_robin_and_least_loaded_spread() -> None:
     assert [rr.pick(workers).address for _ in range(4)] == ["a", "b", "c", "a"]
     ll = Router("decode", "least_loaded")
     workers[0].in_flight = 1
+    workers[0].update_queue()
     assert {ll.pick(workers).address for _ in range(6)} == {"b", "c"}
     with pytest.raises(ValueError, match="policy: must be one of"):
         Router("prefill", "random")
