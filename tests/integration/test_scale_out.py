@@ -7,6 +7,7 @@ worker started again later is picked up and used."""
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import socket
 import threading
 import time
@@ -184,3 +185,67 @@ def test_prefix_aware_routing_beats_round_robin(cluster):
     round_robin = conversation_hit_rate(cluster, "round_robin", "rr")
     prefix_aware = conversation_hit_rate(cluster, "prefix_aware", "pa")
     assert prefix_aware >= round_robin + 0.15, (prefix_aware, round_robin)
+
+
+def test_short_uncached_tail_is_prefilled_on_decode(cluster):
+    """With --local-prefill-tokens, a conversation's next turn (its history cached on the
+    decode worker that answered it) goes straight to that worker: no prefill call, no KV
+    moved, and the same greedy tokens as the full path."""
+    services = cluster["services"]
+    system = "You answer in one short sentence. " * 12
+    first = [
+        generate_pb2.ChatMessage(role="system", content=system),
+        generate_pb2.ChatMessage(role="user", content="Name a colour."),
+    ]
+
+    def ask(address: str, messages) -> list[int]:
+        with grpc.insecure_channel(address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            request = generate_pb2.GenerateRequest(
+                messages=messages,
+                sampling=generate_pb2.SamplingParams(max_tokens=12, temperature=0),
+            )
+            return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
+
+    workers = [
+        f"--prefill-workers={services['p0'].grpc},{services['p1'].grpc}",
+        f"--decode-workers={services['d0'].grpc},{services['d1'].grpc}",
+    ]
+    with running("coordinator", *workers, "--local-prefill-tokens=64") as local:
+        ask(local.grpc, first)  # turn 1: the full path; its decode worker caches the history
+        second = [*first, generate_pb2.ChatMessage(role="assistant", content="Blue.")]
+        second.append(generate_pb2.ChatMessage(role="user", content="And another?"))
+        time.sleep(0.5)  # the decode worker's cache report reaches the coordinator
+        before = local.metric("pdserve_router_local_prefills_total")
+        got = ask(local.grpc, second)
+        assert local.metric("pdserve_router_local_prefills_total") - before == 1
+    assert got == ask(services["coordinator"].grpc, second)
+
+
+def test_draining_worker_finishes_its_streams_and_takes_no_new_ones(cluster, reference):
+    """SIGTERM to a decode worker with streams in flight: they finish (there or, when a
+    stream is refused during the stop, on the other worker), new requests go elsewhere."""
+    services = cluster["services"]
+    d1 = services["d1"]
+
+    def decoding_on_d1(services) -> bool:
+        return d1.metric("pdserve_num_requests_running") >= 2
+
+    address = services["coordinator"].grpc
+    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(generate, address, q) for q in questions]
+        deadline = time.monotonic() + 120
+        while not decoding_on_d1(services) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        d1.proc.send_signal(signal.SIGTERM)
+        outs = [f.result() for f in futures]
+    for q, out in zip(questions, outs, strict=True):
+        assert out == reference[q], q
+    assert d1.proc.wait(60) == 0  # it drained and left on its own
+    coordinator = services["coordinator"]
+    before = coordinator.metric("pdserve_router_decisions_total", pool="decode", target=d1.grpc)
+    assert generate(address, QUESTIONS[1], 4)
+    after = coordinator.metric("pdserve_router_decisions_total", pool="decode", target=d1.grpc)
+    assert after == before
+    assert coordinator.metric("pdserve_request_failure_total") == 0
