@@ -1,6 +1,7 @@
 """A pool of workers of one role as the coordinator holds it: a gRPC channel per worker, a
-status stream from each (`WorkerStatusService.Watch`: load, draining, prefix-cache changes)
-keeping its `WorkerState` and the prefix index current, and membership that discovery may
+status stream from each (`WorkerStatusService.Watch`: load, draining, prefix-cache changes,
+opened once `grpc.health.v1` says SERVING) keeping its `WorkerState` and the prefix index
+current, and membership that discovery may
 change at any time. A worker whose stream breaks or goes quiet leaves the routing table at
 once and is retried with backoff until it answers again."""
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
 from pdserve.services.coordinator.prefix_index import PrefixIndex
@@ -128,12 +130,13 @@ class WorkerPool:
         while True:
             try:
                 chosen = self.router.pick(
-                    list(self.workers.values()), hashes, blocks_needed, exclude
+                    list(self.workers.values()), hashes, blocks_needed, exclude, False
                 )
                 break
             except NoWorkerError:
                 left = deadline - loop.time()
                 if left <= 0 or self._closed:
+                    self.router.no_worker()
                     raise
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
@@ -195,10 +198,17 @@ class WorkerPool:
     async def _monitor(self, worker: WorkerEndpoint) -> None:
         assert worker.channel is not None
         stub = worker_pb2_grpc.WorkerStatusServiceStub(worker.channel)
+        health = health_pb2_grpc.HealthStub(worker.channel)
         backoff = BACKOFF_S[0]
         while not self._closed:
             call = stub.Watch(worker_pb2.WatchRequest(interval_s=REPORT_INTERVAL_S))
             try:
+                # grpc.health.v1 first: a worker still loading its model, or draining,
+                # says so there before it has a status to report.
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=STALE_AFTER_S)
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    raise StopAsyncIteration
+
                 reports = aiter(call)
                 while True:
                     report = await asyncio.wait_for(anext(reports), STALE_AFTER_S)

@@ -99,14 +99,17 @@ class Router:
         hashes: Sequence[int] = (),
         blocks_needed: int = 0,
         exclude: Collection[WorkerState] = (),
+        count_no_worker: bool = True,
     ) -> WorkerState:
         """The worker for a request whose prompt has these full-block `hashes` and needs
-        `blocks_needed` KV blocks. Raises `NoWorkerError`."""
+        `blocks_needed` KV blocks. Raises `NoWorkerError` (counted unless the caller will
+        try again: it then calls `no_worker` when it gives up)."""
         candidates = [w for w in workers if w.healthy and not w.draining]
         if exclude:
             candidates = [w for w in candidates if w not in exclude]
         if not candidates:
-            DECISIONS.labels(self.pool, self.policy, "no_worker", "").inc()
+            if count_no_worker:
+                self.no_worker()
             known = len(workers)
             why = "is configured" if not known else f"of {known} is healthy and untried"
             states = ", ".join(
@@ -125,6 +128,9 @@ class Router:
             chosen = self._cheapest_prefill(order, hashes)
         DECISIONS.labels(self.pool, self.policy, "picked", chosen.address).inc()
         return chosen
+
+    def no_worker(self) -> None:
+        DECISIONS.labels(self.pool, self.policy, "no_worker", "").inc()
 
     @staticmethod
     def _least_loaded(order: list[WorkerState], blocks_needed: int) -> WorkerState:

@@ -16,6 +16,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from pdserve.common.engine import RequestOutput
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
@@ -106,12 +107,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             yield decode_pb2.DecodeResponse(pulled_blocks=pulled)
             async for out in loop.stream(rid):
                 finished = out.finished
-                yield decode_pb2.DecodeResponse(
-                    token_ids=out.new_token_ids,
-                    text=out.new_text,
-                    finish_reason=out.finish_reason or "",
-                    logprobs=logprobs_to_proto(out.new_logprobs),
-                )
+                yield _response(out)
         finally:
             loop.close_stream(rid)
             if not finished:  # refused, failed, or the caller left: give everything back
@@ -142,13 +138,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             async for out in loop.stream(request.request_id):
                 finished = out.finished
-                yield decode_pb2.DecodeResponse(
-                    token_ids=out.new_token_ids,
-                    text=out.new_text,
-                    finish_reason=out.finish_reason or "",
-                    logprobs=logprobs_to_proto(out.new_logprobs),
-                    cached_tokens=out.cached_tokens if out.finished else 0,
-                )
+                response = _response(out)
+                if out.finished:
+                    response.cached_tokens = out.cached_tokens
+                yield response
         finally:
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
@@ -268,3 +261,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             channel = grpc.aio.insecure_channel(address)
             stub = self._prefill_stubs[address] = prefill_pb2_grpc.PrefillServiceStub(channel)
         return stub
+
+
+def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:
+    """The tokens one engine step gave a request, for the stream."""
+    return decode_pb2.DecodeResponse(
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finish_reason=out.finish_reason or "",
+        logprobs=logprobs_to_proto(out.new_logprobs),
+    )

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 import torch
+from chat_prompts import QUESTIONS
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
@@ -29,16 +30,6 @@ from services import running, start
 pytestmark = pytest.mark.slow
 
 WORKER_ARGS = ["--kv-cache-tokens", "16384", "--threads", "1"]
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for writing clear code.",
-    "Explain in two sentences why the sky is blue.",
-    "What is 17 times 23?",
-    "Name three planets of the solar system.",
-    "How do I boil an egg?",
-    "Translate 'good morning' into Spanish.",
-]
 MAX_TOKENS = 24
 
 

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from chat_prompts import QUESTIONS
 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from services import running, start
@@ -21,16 +22,6 @@ from services import running, start
 pytestmark = pytest.mark.slow
 
 WORKER_ARGS = ["--kv-cache-tokens", "8192", "--threads", "1"]
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for writing clear code.",
-    "Explain in two sentences why the sky is blue.",
-    "What is 17 times 23?",
-    "Name three planets of the solar system.",
-    "How do I boil an egg?",
-    "Translate 'good morning' into Spanish.",
-]
 MAX_TOKENS = 40
 
 
@@ -72,8 +63,9 @@ def generate(address: str, question: str, max_tokens: int = MAX_TOKENS) -> list[
         return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
 
 
-def streams_with_a_kill(cluster, victim: str, when) -> list[list[int]]:
-    """16 greedy streams; `victim` gets SIGKILL once `when(services)` holds."""
+def streams_with_a_kill(cluster, victim: str, when, stop=None) -> list[list[int]]:
+    """16 greedy streams; `victim` gets SIGKILL (or `stop(victim)`) once `when(services)`
+    holds."""
     services = cluster["services"]
     address = services["coordinator"].grpc
     questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
@@ -82,7 +74,7 @@ def streams_with_a_kill(cluster, victim: str, when) -> list[list[int]]:
         deadline = time.monotonic() + 120
         while not when(services) and time.monotonic() < deadline:
             time.sleep(0.05)
-        services[victim].kill()
+        (stop or (lambda service: service.kill()))(services[victim])
         return [f.result() for f in futures], questions
 
 
@@ -232,14 +224,9 @@ def test_draining_worker_finishes_its_streams_and_takes_no_new_ones(cluster, ref
         return d1.metric("pdserve_num_requests_running") >= 2
 
     address = services["coordinator"].grpc
-    questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(generate, address, q) for q in questions]
-        deadline = time.monotonic() + 120
-        while not decoding_on_d1(services) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        d1.proc.send_signal(signal.SIGTERM)
-        outs = [f.result() for f in futures]
+    outs, questions = streams_with_a_kill(
+        cluster, "d1", decoding_on_d1, stop=lambda service: service.proc.send_signal(signal.SIGTERM)
+    )
     for q, out in zip(questions, outs, strict=True):
         assert out == reference[q], q
     assert d1.proc.wait(60) == 0  # it drained and left on its own
