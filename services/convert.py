@@ -40,6 +40,19 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         raise InvalidRequestError(f"sampling.{e.field}", e.message) from None
 
 
+def worker_request(
+    request_id: str, token_ids: Iterable[int], sampling: generate_pb2.SamplingParams
+) -> tuple[list[int], SamplingParams]:
+    """A worker RPC's request as the engine takes it: its prompt and validated params.
+    Raises `InvalidRequestError` naming the empty or bad field."""
+    if not request_id:
+        raise InvalidRequestError("request_id", "must not be empty")
+    prompt = list(token_ids)
+    if not prompt:
+        raise InvalidRequestError("prompt_token_ids", "must not be empty")
+    return prompt, params_from_proto(sampling)
+
+
 def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
     proto = generate_pb2.SamplingParams(
         max_tokens=params.max_tokens,

@@ -21,7 +21,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
-from pdserve.services.convert import logprobs_to_proto, params_from_proto
+from pdserve.services.convert import logprobs_to_proto, worker_request
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
 from pdserve.services.worker import Worker
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -73,9 +73,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         engine = loop.engine
         rid = request.request_id
         try:
+            prompt, params = worker_request(rid, request.prompt_token_ids, request.sampling)
             self._check(request)
-            params = params_from_proto(request.sampling)
-            prompt = list(request.prompt_token_ids)
             first = request.first_token_id
             req = await loop.call(lambda: engine.new_prefilled_request(prompt, first, params, rid))
             loop.open_stream(rid)
@@ -125,12 +124,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         loop = self.worker.loop
         span.set_attribute("pdserve.local_prefill", True)
         try:
-            if not request.request_id:
-                raise InvalidRequestError("request_id", "must not be empty")
-            if not request.prompt_token_ids:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            params = params_from_proto(request.sampling)
-            req = await loop.add(list(request.prompt_token_ids), params, request.request_id)
+            prompt, params = worker_request(
+                request.request_id, request.prompt_token_ids, request.sampling
+            )
+            req = await loop.add(prompt, params, request.request_id)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield decode_pb2.DecodeResponse(pulled_blocks=0)
@@ -149,12 +146,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self.worker.metrics.request_done(req)
 
     def _check(self, request: decode_pb2.DecodeRequest) -> None:
-        if not request.request_id:
-            raise InvalidRequestError("request_id", "must not be empty")
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        if not request.HasField("kv_handle"):
-            raise InvalidRequestError("kv_handle", "is required")
+        """The KV handle fits this worker's layout and transport."""
         h = request.kv_handle
         w = self.worker
         assert w.transport is not None

@@ -16,7 +16,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, record_phases, tracer
-from pdserve.services.convert import logprobs_to_proto, params_from_proto
+from pdserve.services.convert import logprobs_to_proto, worker_request
 from pdserve.services.prefill.leases import Lease, LeaseBusy, LeaseError, LeaseTable
 from pdserve.services.worker import Worker
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -66,14 +66,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> tuple[prefill_pb2.PrefillResponse, Request | None]:
         loop = self.worker.loop
         try:
-            if not request.request_id:
-                raise InvalidRequestError("request_id", "must not be empty")
-            if not request.prompt_token_ids:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            params = params_from_proto(request.sampling)
-            req = await loop.add(
-                list(request.prompt_token_ids), params, request.request_id, prefill_only=True
+            prompt, params = worker_request(
+                request.request_id, request.prompt_token_ids, request.sampling
             )
+            req = await loop.add(prompt, params, request.request_id, prefill_only=True)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
