@@ -55,8 +55,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts).
     count_expert_tokens: bool = False
-    # MoE models: split the experts over this many rank processes (`pdserve generate`).
+    # MoE models: split the experts over this many rank processes.
     expert_parallel: int = 1
+    # MoE models under expert parallelism: this many extra expert slots (spread over the
+    # ranks) hold copies of the hottest experts, re-placed from the counts seen so far.
+    redundant_experts: int = 0
+    # Model steps between two re-placements of the redundant experts.
+    eplb_interval: int = 64
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,6 +97,23 @@ class EngineConfig:
             )
         if self.expert_parallel < 1:
             raise ValueError(f"expert_parallel: must be at least 1, got {self.expert_parallel}")
+        if self.redundant_experts < 0:
+            raise ValueError(
+                f"redundant_experts: must be at least 0, got {self.redundant_experts}"
+            )
+        if self.redundant_experts and self.expert_parallel < 2:
+            raise ValueError(
+                "redundant_experts: copies of experts need expert_parallel of 2 or more, "
+                f"got expert_parallel={self.expert_parallel}"
+            )
+        if self.redundant_experts % self.expert_parallel:
+            raise ValueError(
+                f"redundant_experts: must be a multiple of expert_parallel "
+                f"({self.expert_parallel}), so that every rank holds as many slots; "
+                f"got {self.redundant_experts}"
+            )
+        if self.eplb_interval < 1:
+            raise ValueError(f"eplb_interval: must be at least 1, got {self.eplb_interval}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         return self

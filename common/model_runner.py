@@ -152,6 +152,22 @@ class ModelRunner:
         self.model.idle_forward()
         self.num_forwards += 1
 
+    def rebalance_experts_if_due(self) -> None:
+        """Expert parallelism with redundant experts: every rank calls this once per lockstep
+        iteration, after its step (or idle step); every `eplb_interval` forwards the ranks
+        agree on the counts and re-place the redundant copies. A no-op otherwise."""
+
+    def expert_imbalance(self) -> torch.Tensor | None:
+        """Per MoE layer, the busiest rank's routed tokens over the mean rank's, under the
+        current expert placement ([num_layers] float64; 1.0 for dense layers); None unless
+        counting is on for an MoE model. Issues no collective (safe from any thread)."""
+        counts = self.expert_token_counts()
+        if counts is None:
+            return None
+        from pdserve.common.models.expert_stats import imbalance
+
+        return imbalance(counts, self.config.expert_parallel)
+
     def expert_token_counts(self) -> torch.Tensor | None:
         """Tokens routed to each expert of each layer so far, [num_layers, num_experts] on the
         CPU (rows of dense layers are zero); None unless counting is on for an MoE model."""

@@ -83,8 +83,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--expert-parallel",
         type=int,
         default=int_env("expert_parallel", 1),
-        help="mixture-of-experts models, `generate` only: run N rank processes, each holding "
-        "num_experts/N experts and its own share of the requests (default: %(default)s)",
+        help="mixture-of-experts models: run N rank processes, each holding num_experts/N "
+        "experts and its own share of the requests (default: %(default)s)",
+    )
+    g.add_argument(
+        "--redundant-experts",
+        type=int,
+        default=int_env("redundant_experts", 0),
+        help="with --expert-parallel: K extra expert slots that hold copies of the hottest "
+        "experts, re-placed as the load shifts (default: %(default)s)",
+    )
+    g.add_argument(
+        "--eplb-interval",
+        type=int,
+        default=int_env("eplb_interval", 64),
+        help="model steps between two re-placements of the redundant experts "
+        "(default: %(default)s)",
     )
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=env("no_prefix_caching", "0") not in ("0", "", "false"),
@@ -117,6 +131,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         expert_parallel=args.expert_parallel,
+        redundant_experts=args.redundant_experts,
+        eplb_interval=args.eplb_interval,
     )
 
 
@@ -152,6 +168,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--max-model-len", args.max_model_len),
         ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),
+        ("--redundant-experts", args.redundant_experts or None),
+        ("--eplb-interval", args.eplb_interval if args.eplb_interval != 64 else None),
     ]:
         if value is not None:
             argv += [flag, str(value)]

@@ -38,8 +38,9 @@ ADDRESS_ENV = "PDSERVE_EP_ADDRESS"
 TIMEOUT_ENV = "PDSERVE_EP_TIMEOUT"
 
 
-def check_model(model: str | None, world_size: int) -> None:
-    """Clear errors before any process starts: a dense model, or N not dividing the experts."""
+def check_model(model: str | None, world_size: int, redundant_experts: int = 0) -> None:
+    """Clear errors before any process starts: a dense model, N not dividing the experts,
+    more redundant slots than experts."""
     from transformers import AutoConfig
 
     from pdserve.common.model_files import resolve_model
@@ -57,6 +58,10 @@ def check_model(model: str | None, world_size: int) -> None:
         raise PdserveError(
             f"--expert-parallel: must divide the model's {experts} experts, got {world_size}"
         )
+    if redundant_experts > experts:
+        raise PdserveError(
+            f"--redundant-experts: at most the model's {experts} experts, got {redundant_experts}"
+        )
 
 
 def join_expert_parallel_group(args: argparse.Namespace, engine_flags: list[str]) -> None:
@@ -64,7 +69,7 @@ def join_expert_parallel_group(args: argparse.Namespace, engine_flags: list[str]
     world = args.expert_parallel
     rank_env = os.environ.get(RANK_ENV)
     if rank_env is None:
-        check_model(args.model, world)
+        check_model(args.model, world, args.redundant_experts)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             address = f"127.0.0.1:{s.getsockname()[1]}"
@@ -186,4 +191,5 @@ def _run_in_lockstep(engine: LLMEngine) -> dict[str, RequestOutput]:
                     final[out.request_id] = out
         if runner.num_forwards == before:  # nothing ran here: join the others' exchanges
             runner.idle_step()
+        runner.rebalance_experts_if_due()
     return final
