@@ -98,9 +98,7 @@ class EngineConfig:
         if self.expert_parallel < 1:
             raise ValueError(f"expert_parallel: must be at least 1, got {self.expert_parallel}")
         if self.redundant_experts < 0:
-            raise ValueError(
-                f"redundant_experts: must be at least 0, got {self.redundant_experts}"
-            )
+            raise ValueError(f"redundant_experts: must be at least 0, got {self.redundant_experts}")
         if self.redundant_experts and self.expert_parallel < 2:
             raise ValueError(
                 "redundant_experts: copies of experts need expert_parallel of 2 or more, "
