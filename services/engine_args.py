@@ -105,6 +105,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="turn off automatic prefix caching")  # fmt: skip
 
 
+SERVICE_ROLES = ("prefill", "decode", "colocated")
+
+
 def int_env(name: str, default: int | None = None) -> int | None:
     value = env(name)
     if value is None:
@@ -140,13 +143,18 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
     from pdserve.common.engine import LLMEngine
 
     if args.expert_parallel != 1:
-        if getattr(args, "command", "generate") != "generate":
-            raise PdserveError("--expert-parallel: only `pdserve generate` runs it so far")
+        if getattr(args, "command", "generate") not in ("generate", *SERVICE_ROLES):
+            raise PdserveError(
+                f"--expert-parallel: runs with generate, {', '.join(SERVICE_ROLES)}, serve"
+            )
         from pdserve.services.expert_parallel import join_expert_parallel_group
 
         join_expert_parallel_group(args, engine_argv(args))
     try:
-        return LLMEngine(engine_config(args))
+        config = engine_config(args)
+        # A serving worker exports its MoE routing (one bincount per MoE layer and step).
+        config.count_expert_tokens = getattr(args, "command", None) in SERVICE_ROLES
+        return LLMEngine(config)
     except (OSError, KeyError) as exc:
         raise ModelLoadError(
             f"model: cannot load {args.model or 'the default model'}: {exc}"

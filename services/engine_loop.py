@@ -122,17 +122,7 @@ class EngineLoop:
                 if self._stopped:
                     break
                 calls, self._calls = self._calls, []
-            for fn, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as e:  # handed to the caller
-                        future.set_exception(e)
-            for hook in self.housekeeping:
-                try:
-                    hook()
-                except Exception:
-                    logger.exception("engine housekeeping failed")
+            self._run_calls(calls)
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -149,6 +139,20 @@ class EngineLoop:
                 with self._wake:
                     if not self._calls and not self._stopped:
                         self._wake.wait(IDLE_WAIT_S)
+
+    def _run_calls(self, calls: list[tuple[Callable[[], Any], Future[Any]]]) -> None:
+        """The calls queued since the last step, then the housekeeping hooks."""
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # handed to the caller
+                    future.set_exception(e)
+        for hook in self.housekeeping:
+            try:
+                hook()
+            except Exception:
+                logger.exception("engine housekeeping failed")
 
     def _abort_all(self) -> list[RequestOutput]:
         outputs = []

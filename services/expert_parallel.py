@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch.distributed as dist
@@ -64,59 +65,97 @@ def check_model(model: str | None, world_size: int, redundant_experts: int = 0) 
         )
 
 
-def join_expert_parallel_group(args: argparse.Namespace, engine_flags: list[str]) -> None:
-    """Make this process a rank of the group (rank 0 also starts the others)."""
+@dataclass
+class RankGroup:
+    """This process's place in its expert-parallel group. On rank 0, `children` are the
+    other ranks' processes (started by it)."""
+
+    rank: int
+    world_size: int
+    children: list[subprocess.Popen] = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def signal_children(self, sig: int) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(sig)
+
+    def reap_children(self, timeout_s: float = 30.0) -> None:
+        """Wait for the other ranks to end (they stop with this one), killing any that
+        outstay `timeout_s`."""
+        self.stopping.set()
+        for child in self.children:
+            try:
+                child.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+_group: RankGroup | None = None
+
+
+def current_group() -> RankGroup | None:
+    """The group this process joined (`join_expert_parallel_group`), if any."""
+    return _group
+
+
+def join_expert_parallel_group(args: argparse.Namespace, engine_flags: list[str]) -> RankGroup:
+    """Make this process a rank of the group (rank 0 also starts the others). `pdserve
+    generate` ranks get its engine flags; a service's ranks run the same command line as
+    rank 0 (each then listens on its own ports, see `worker.py`)."""
+    global _group
     world = args.expert_parallel
     rank_env = os.environ.get(RANK_ENV)
+    command = getattr(args, "command", "generate")
     if rank_env is None:
         check_model(args.model, world, args.redundant_experts)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             address = f"127.0.0.1:{s.getsockname()[1]}"
-        _start_ranks(world, address, engine_flags)
-        rank = 0
+        if command == "generate":
+            argv = ["generate", "--input", "-", "--output", "-", "--no-progress", *engine_flags]
+        else:
+            argv = sys.argv[1:]
+        _group = RankGroup(0, world)
+        _group.children = _start_ranks(command, address, argv, _group)
     else:
-        rank, address = int(rank_env), os.environ[ADDRESS_ENV]
+        _group = RankGroup(int(rank_env), world)
+        address = os.environ[ADDRESS_ENV]
     if args.device == "cuda":
-        args.device = f"cuda:{rank}"
-    init_group(rank, world, address, args.device, float(os.environ.get(TIMEOUT_ENV, "300")))
+        args.device = f"cuda:{_group.rank}"
+    init_group(_group.rank, world, address, args.device, float(os.environ.get(TIMEOUT_ENV, "300")))
+    return _group
 
 
-def _start_ranks(world: int, address: str, engine_flags: list[str]) -> None:
-    argv = [sys.executable, "-m", "pdserve.services.cli", "generate", "--input", "-",
-            "--output", "-", "--no-progress", *engine_flags]  # fmt: skip
+def _start_ranks(
+    command: str, address: str, argv: list[str], group: RankGroup
+) -> list[subprocess.Popen]:
     children = [
         subprocess.Popen(
-            argv,
+            [sys.executable, "-m", "pdserve.services.cli", *argv],
             env=dict(os.environ, **{RANK_ENV: str(rank), ADDRESS_ENV: address}),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
-        for rank in range(1, world)
+        for rank in range(1, group.world_size)
     ]
 
     def watch(rank: int, child: subprocess.Popen) -> None:
         code = child.wait()
-        if code != 0:
+        if code != 0 and not group.stopping.is_set():
             print(
-                f"pdserve generate: error: expert-parallel rank {rank} exited with code {code}",
+                f"pdserve {command}: error: expert-parallel rank {rank} exited with code "
+                f"{code}; the group cannot step without it",
                 file=sys.stderr,
                 flush=True,
             )
-            os._exit(1)  # the group cannot go on without it: fail fast, never wait forever
+            os._exit(1)  # fail fast, never wait forever
 
     for rank, child in enumerate(children, start=1):
         threading.Thread(target=watch, args=(rank, child), daemon=True).start()
-
-    def reap() -> None:
-        for child in children:
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-
-    atexit.register(reap)
+    atexit.register(group.reap_children)
+    return children
 
 
 def run_generate_ranks(

@@ -79,11 +79,16 @@ def stop_all(children: list[ServiceChild], grace_s: float) -> None:
             child.proc.wait()
 
 
+def endpoints(listening: dict[str, Any]) -> list[dict[str, Any]]:
+    """The endpoints of a worker's "listening" line: itself, or each rank of its group."""
+    return listening.get("ranks") or [listening]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     roles = (
         ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     )
-    threads = args.threads or max(1, default_threads() // len(roles))
+    threads = args.threads or max(1, default_threads() // (len(roles) * args.expert_parallel))
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
     children: list[ServiceChild] = []
@@ -94,7 +99,12 @@ def run_serve(args: argparse.Namespace) -> int:
         for role in roles:
             child_args = argparse.Namespace(**{**vars(args), "threads": threads})
             children.append(ServiceChild(role, [*common, *engine_argv(child_args)]))
-        workers = [child.wait_listening(START_TIMEOUT_S) for child in children]
+        # An expert-parallel worker is a group of ranks, each an endpoint of its own.
+        workers = [
+            {"role": child.role, **rank}
+            for child in children
+            for rank in endpoints(child.wait_listening(START_TIMEOUT_S))
+        ]
         by_role = {r: ",".join(w["grpc"] for w in workers if w["role"] == r) for r in set(roles)}
         coordinator = ServiceChild(
             "coordinator",

@@ -5,12 +5,16 @@ fed on the request's path (KV transfers on both sides of a handoff)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from pdserve.common.engine import LLMEngine
+    from pdserve.common.model_runner import ModelRunner
     from pdserve.common.request import Request
 
 LABELS = ("model", "role", "worker")
@@ -73,6 +77,44 @@ KV_TRANSFER_FAILURES = Counter(
 )
 
 
+class MoeRoutingCollector(Collector):
+    """Tokens the router of each MoE layer sent to each expert on this worker
+    (`pdserve_moe_expert_tokens_total{layer, expert}`: sum the ranks of a group for the
+    group's load) and, per layer, the group's busiest rank's tokens over the mean rank's
+    (`pdserve_moe_expert_load_imbalance`; 1.0 is even). Read from the engine's counters
+    when scraped: one copy of a [layers, experts] table, no Python work per step."""
+
+    def __init__(self, runner: ModelRunner, labels: dict[str, str]) -> None:
+        self.runner = runner
+        self.labels = labels
+        self.moe_layers = [block.layer for block in runner.model.moe_blocks()]
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.runner.expert_token_counts()
+        if counts is None:
+            return
+        names, values = [*self.labels, "layer", "expert"], [*self.labels.values()]
+        tokens = CounterMetricFamily(
+            "pdserve_moe_expert_tokens",
+            "Tokens routed to each expert of each MoE layer (top-k: k per token)",
+            labels=names,
+        )
+        for layer in self.moe_layers:
+            for expert, n in enumerate(counts[layer].tolist()):
+                tokens.add_metric([*values, str(layer), str(expert)], n)
+        yield tokens
+        ratio = GaugeMetricFamily(
+            "pdserve_moe_expert_load_imbalance",
+            "Per MoE layer: the busiest expert-parallel rank's routed tokens over the mean",
+            labels=[*self.labels, "layer"],
+        )
+        imbalance = self.runner.expert_imbalance()
+        if imbalance is not None:
+            for layer in self.moe_layers:
+                ratio.add_metric([*values, str(layer)], float(imbalance[layer]))
+        yield ratio
+
+
 class WorkerMetrics:
     """The metrics of one worker, labelled once."""
 
@@ -94,6 +136,8 @@ class WorkerMetrics:
         self._prefix_hits = PREFIX_HITS.labels(**labels)
         self._seen_queries = self._seen_hits = 0
         self.sync_prefix_cache()
+        if engine.runner.expert_counter is not None:
+            REGISTRY.register(MoeRoutingCollector(engine.runner, labels))
 
     def sync_prefix_cache(self) -> None:
         """Add what the prefix cache counted since the last call (the engine thread calls

@@ -90,6 +90,9 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 report = worker_pb2.WatchResponse(
                     worker_id=self.worker.worker_id,
                     role=self.worker.role,
+                    group=self.worker.group,
+                    group_rank=self.worker.group_rank,
+                    group_size=self.worker.group_size,
                     block_size=self.block_size,
                     draining=self.draining,
                     **load,

@@ -8,15 +8,19 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.common.kv_transfer import KvTransport, create_transport
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
+from pdserve.services.expert_parallel import current_group
 from pdserve.services.grpc_server import ServiceProcess
+from pdserve.services.lockstep_loop import LockstepEngineLoop
 from pdserve.services.metrics import WorkerMetrics
 
 ROLES = ("prefill", "decode", "colocated")
@@ -31,6 +35,10 @@ class Worker:
     transport: KvTransport | None
     metrics: WorkerMetrics
     transfer_timeout_s: float
+    # Expert parallelism: this worker is rank `group_rank` of `group_size` ranks named `group`.
+    group: str = ""
+    group_rank: int = 0
+    group_size: int = 1
 
 
 def run_worker(args: argparse.Namespace, role: str) -> int:
@@ -45,9 +53,21 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 async def _serve(args: argparse.Namespace, role: str) -> int:
     setup_tracing(f"pdserve-{role}")
     engine = load_engine(args)
-    process = ServiceProcess(args.host, args.port, args.metrics_port)
+    group = current_group()
+    rank = group.rank if group else 0
+    process = ServiceProcess(
+        args.host,
+        args.port + rank if args.port else args.port,
+        args.metrics_port + rank if args.metrics_port else args.metrics_port,
+    )
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
-    loop = EngineLoop(engine, asyncio.get_running_loop())
+    address = advertised_address(args.advertise_address, args.host, process.port)
+    ranks: list[dict[str, Any]] = []
+    if group is not None:
+        ranks = gather_ranks(worker_id, address, process.metrics_port)
+        worker_id = ranks[rank]["worker_id"]
+    loop_type = EngineLoop if group is None else LockstepEngineLoop
+    loop = loop_type(engine, asyncio.get_running_loop())
     model = os.path.basename(str(engine.model_dir))
     transport = None
     if role != "colocated":
@@ -56,11 +76,14 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     worker = Worker(
         role=role,
         worker_id=worker_id,
-        address=advertised_address(args.advertise_address, args.host, process.port),
+        address=address,
         loop=loop,
         transport=transport,
         metrics=WorkerMetrics(engine, role, worker_id, model),
         transfer_timeout_s=args.transfer_timeout,
+        group=ranks[0]["group"] if ranks else "",
+        group_rank=rank,
+        group_size=group.world_size if group else 1,
     )
     names = _add_servicer(worker, process, args)
     from pdserve.services.status import StatusHub
@@ -73,10 +96,18 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     loop.start()
     status.start()
     process.on_drain(status.drain)
+    if group is not None and group.children:
+
+        async def drain_group(_grace_s: float) -> None:
+            group.signal_children(signal.SIGTERM)  # the group drains and stops together
+
+        process.on_drain(drain_group)
 
     async def shutdown() -> None:
         await status.stop()
         loop.stop()
+        if group is not None:
+            group.reap_children()
         if transport is not None:
             transport.close()
         shutdown_tracing()
@@ -88,11 +119,34 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         "worker_id": worker_id,
         "grpc": process.address,
         "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
+        **({"group": worker.group, "ranks": ranks} if ranks else {}),
     }
     await process.run(
         names, on_ready=lambda: print(json.dumps(ready), flush=True), grace_s=args.drain_timeout
     )
     return 0
+
+
+def gather_ranks(worker_id: str, address: str, metrics_port: int | None) -> list[dict[str, Any]]:
+    """Every rank's endpoint, in rank order (a collective: before the engine thread starts).
+    The group is named after rank 0's worker id; rank r's id is `<group>-ep<r>`."""
+    import torch.distributed as dist
+
+    mine = {"worker_id": worker_id, "grpc": address, "metrics_port": str(metrics_port),
+            "pid": os.getpid()}  # fmt: skip
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    group = ranks[0]["worker_id"]
+    return [
+        {
+            "worker_id": f"{group}-ep{r}",
+            "group": group,
+            "grpc": info["grpc"],
+            "metrics": f"http://{info['grpc'].rsplit(':', 1)[0]}:{info['metrics_port']}/metrics",
+            "pid": info["pid"],
+        }
+        for r, info in enumerate(ranks)
+    ]
 
 
 def advertised_address(flag: str | None, host: str, port: int) -> str:

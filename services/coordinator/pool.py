@@ -102,7 +102,7 @@ class WorkerPool:
         self._changed.set()
 
     def _retire(self, worker: WorkerEndpoint) -> None:
-        worker.healthy = False
+        self._set_healthy(worker, False)
         self.index.remove_worker(worker.address)
         if worker.monitor is not None:
             worker.monitor.cancel()
@@ -174,7 +174,25 @@ class WorkerPool:
     def failed(self, worker: WorkerEndpoint) -> None:
         """A call to `worker` failed as if it were gone: route around it until its status
         stream says otherwise."""
-        worker.healthy = False
+        self._set_healthy(worker, False)
+
+    def _set_healthy(self, worker: WorkerEndpoint, healthy: bool) -> None:
+        if worker.healthy == healthy:
+            return
+        worker.healthy = healthy
+        if worker.group:
+            self._check_group(worker.group)
+
+    def _check_group(self, group: str) -> None:
+        """An expert-parallel group steps in lockstep: with one rank gone the others cannot
+        run a step, so every rank of it is routable only while all of its ranks are known
+        and healthy."""
+        members = [w for w in self.workers.values() if w.group == group]
+        whole = all(w.healthy for w in members) and len(members) >= members[0].group_size
+        for w in members:
+            if w.group_whole != whole:
+                w.group_whole = whole
+                self._changed.set()
 
     @contextlib.contextmanager
     def track(self, worker: WorkerEndpoint) -> Iterator[WorkerEndpoint]:
@@ -219,7 +237,7 @@ class WorkerPool:
                     logger.warning("%s worker %s left routing: %s", self.role, worker.address, e)
             finally:
                 call.cancel()
-            worker.healthy = False
+            self._set_healthy(worker, False)
             if self.kv_events:
                 self.index.remove_worker(worker.address)
             await asyncio.sleep(backoff)
@@ -233,7 +251,15 @@ class WorkerPool:
         worker.free_blocks = report.free_blocks
         worker.total_blocks = report.total_blocks
         worker.draining = report.draining
-        worker.healthy = True
+        regrouped = (report.group, report.group_size or 1) != (worker.group, worker.group_size)
+        if regrouped:  # first report, or a restarted worker with other flags
+            old = worker.group
+            worker.group, worker.group_size = report.group, report.group_size or 1
+            if old:
+                self._check_group(old)
+        self._set_healthy(worker, True)
+        if regrouped and worker.group:
+            self._check_group(worker.group)
         self.block_size = self.block_size or report.block_size
         if self.kv_events and (report.reset or report.stored or report.evicted):
             self.index.apply(worker.address, report.stored, report.evicted, report.reset)

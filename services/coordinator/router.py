@@ -56,6 +56,11 @@ class WorkerState:
     num_waiting: int = 0  # reported
     free_blocks: int = 0  # reported (0 while unknown)
     total_blocks: int = 0
+    # Expert parallelism: the ranks of one group are endpoints of their own, but routable
+    # only while every rank of the group is (`group_whole`, kept by the pool).
+    group: str = ""
+    group_size: int = 1
+    group_whole: bool = True
     # Requests it is busy with: what it reports, or what this coordinator sent there since
     # (whichever is more). Kept as a field: routing reads it for every worker of a pool.
     queue: int = field(init=False, default=0)
@@ -68,7 +73,15 @@ class WorkerState:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and self.group_whole
+
+
+def _state(worker: WorkerState, exclude: Collection[WorkerState]) -> str:
+    if worker in exclude:
+        return "tried"
+    if worker.draining:
+        return "draining"
+    return "unreachable" if not worker.healthy else "expert-parallel group incomplete"
 
 
 @dataclass(frozen=True)
@@ -104,7 +117,7 @@ class Router:
         """The worker for a request whose prompt has these full-block `hashes` and needs
         `blocks_needed` KV blocks. Raises `NoWorkerError` (counted unless the caller will
         try again: it then calls `no_worker` when it gives up)."""
-        candidates = [w for w in workers if w.healthy and not w.draining]
+        candidates = [w for w in workers if w.routable]
         if exclude:
             candidates = [w for w in candidates if w not in exclude]
         if not candidates:
@@ -112,11 +125,7 @@ class Router:
                 self.no_worker()
             known = len(workers)
             why = "is configured" if not known else f"of {known} is healthy and untried"
-            states = ", ".join(
-                f"{w.address}: "
-                + ("tried" if w in exclude else "draining" if w.draining else "unreachable")
-                for w in workers[:4]
-            )
+            states = ", ".join(f"{w.address}: {_state(w, exclude)}" for w in workers[:4])
             raise NoWorkerError(f"no {self.pool} worker {why}" + (f" ({states})" if states else ""))
         start = next(self._turn) % len(candidates)
         order = candidates[start:] + candidates[:start]  # ties go round-robin
