@@ -1,18 +1,21 @@
-"""`pdserve generate --expert-parallel N`: one command becomes N rank processes.
+"""`--expert-parallel N`: one command becomes N rank processes (`pdserve generate`, and
+the serving roles `prefill`, `decode`, `colocated`, which `pdserve serve` starts).
 
 The command the user runs is rank 0. Before loading anything it checks that the model is a
 mixture of experts whose expert count N divides, then starts ranks 1..N-1 as children
-(`pdserve generate` with the same engine flags, told their rank and rank 0's address by
-environment) and every rank joins one `torch.distributed` group (gloo on CPU, NCCL on GPU).
-Each rank loads the whole model, keeps only its N-th of every MoE layer's experts, and has
-its own KV cache (data-parallel attention).
+(`pdserve generate` with the same engine flags, or a service's own command line; told their
+rank and rank 0's address by environment) and every rank joins one `torch.distributed`
+group (gloo on CPU, NCCL on GPU: rank r uses `cuda:r`). Each rank loads the whole model,
+keeps only its share of every MoE layer's experts, and has its own KV cache (data-parallel
+attention). A rank that dies ends the group: rank 0 reports which one and exits, the others'
+collectives fail on the closed connection or after `PDSERVE_EP_TIMEOUT` seconds (default
+300). A serving rank is a worker endpoint of its own (`worker.py`, `lockstep_loop.py`).
 
-A request's path: rank 0 reads and checks the JSONL lines and hands every rank the list of
-good ones; rank r runs lines r, r+N, r+2N, … Every step all ranks agree whether any has work
-left, and each runs one model step (an idle rank an empty one), so the MoE layers' all-to-all
-exchanges line up. At the end rank 0 gathers every rank's results and writes them in input
-order. A rank that dies ends the group: rank 0 reports it and exits, the others' collectives
-fail on the closed connection or after `PDSERVE_EP_TIMEOUT` seconds (default 300)."""
+`pdserve generate`'s path: rank 0 reads and checks the JSONL lines and hands every rank the
+list of good ones; rank r runs lines r, r+N, r+2N, … Every step all ranks agree whether any
+has work left, and each runs one model step (an idle rank an empty one), so the MoE layers'
+all-to-all exchanges line up. At the end rank 0 gathers every rank's results and writes
+them in input order."""
 
 from __future__ import annotations
 

@@ -6,8 +6,10 @@ all ranks must run each model step together. `LockstepEngineLoop` is `EngineLoop
 rule: every iteration the ranks agree (one small all-reduce) whether any of them has work,
 whether all of them are stopping, and whether any of them computed tokens last time; then
 every rank runs one step — a rank with nothing to run joins with an empty batch — and,
-between steps, the redundant experts may be re-placed. When no rank has work, the ranks
-poll each other every `IDLE_POLL_S` (a new request waits at most that long for its group).
+between steps, the redundant experts may be re-placed. When no rank has work the ranks
+poll each other, every 5 ms at first and every 50 ms once the group has been idle for a
+second (`IDLE_POLL_S`): the first request after a quiet spell waits at most that long for
+its group, and an idle group costs little CPU.
 
 A collective that fails means a rank is gone: the group cannot step any more, so this
 process reports which rank it is and exits; the coordinator routes around the group."""
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,8 @@ from pdserve.services.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.005  # how often idle ranks check whether any has work
+IDLE_POLL_S = (0.005, 0.05)  # how often idle ranks check whether any has work: soon, later
+QUIET_AFTER_S = 1.0  # idle this long: poll at the slower rate
 STOP_JOIN_S = 60.0  # stopping waits for the other ranks to finish their streams too
 
 
@@ -63,6 +67,7 @@ class LockstepEngineLoop(EngineLoop):
         runner = engine.runner
         worked = False  # this rank computed tokens in the last step
         stalled = False  # the last step was a busy one in which no rank computed anything
+        last_busy = time.monotonic()
         while True:
             with self._wake:
                 if stalled or (
@@ -70,7 +75,8 @@ class LockstepEngineLoop(EngineLoop):
                 ):
                     # Idle, or requests that wait for blocks everywhere (leases,
                     # reservations): do not spin the group; a queued call wakes us.
-                    self._wake.wait(IDLE_POLL_S)
+                    quiet = time.monotonic() - last_busy > QUIET_AFTER_S
+                    self._wake.wait(IDLE_POLL_S[quiet])
                 stopping = self._stopped
                 calls, self._calls = self._calls, []
             self._run_calls(calls)
@@ -81,6 +87,7 @@ class LockstepEngineLoop(EngineLoop):
                     return
                 worked = stalled = False
                 continue
+            last_busy = time.monotonic()
             before = runner.num_forwards
             # A failing step is not survivable here: the other ranks are mid-exchange.
             outputs = engine.step() if busy else []

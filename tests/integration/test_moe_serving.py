@@ -6,7 +6,8 @@ each its own gRPC endpoint with its own KV cache, stepping in lockstep.
   UCX between groups of different sizes): greedy ids equal the offline engine's, the
   coordinator spreads requests over both ranks, and every rank's blocks come back.
 - A colocated EP 2 group exports `pdserve_moe_expert_tokens_total{layer, expert}`: over the
-  ranks, exactly top_k × the tokens it computed per MoE layer; and the imbalance gauge.
+  ranks, exactly top_k × the tokens it computed per MoE layer; and the imbalance gauge; the
+  exposition passes `promtool check metrics`.
 - A rank killed with SIGKILL takes its group down with an error naming the rank (no hang),
   and the coordinator routes the next requests to the worker that is left."""
 
@@ -16,11 +17,13 @@ import asyncio
 import concurrent.futures
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from promql import run_promtool
 from test_moe_greedy import build_tiny_moe
 
 from pdserve.common.config import EngineConfig
@@ -159,6 +162,13 @@ def test_colocated_group_exports_expert_routing(moe_dir, prompts, offline):
             for e in range(8)
         ]  # fmt: skip
         assert sum(1 for n in per_expert if n) > 2, f"routing used few experts: {per_expert}"
+        with urllib.request.urlopen(ranks(worker)[1]["metrics"], timeout=10) as r:
+            exposition = r.read().decode()
+        assert "pdserve_moe_expert_tokens_total{" in exposition
+        result = run_promtool("check", "metrics", stdin=exposition)
+        assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), (
+            result.stdout + result.stderr
+        )
     finally:
         worker.stop()
 

@@ -108,3 +108,45 @@ def test_pool_waits_for_a_worker_then_gives_up() -> None:
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_an_expert_parallel_group_is_routable_only_while_whole() -> None:
+    """Two ranks of group "g" and a lone worker: the group's ranks are picked only once
+    both have reported, and a lost rank takes its sibling out of routing with it."""
+    from pdserve.services.coordinator.pool import WorkerEndpoint
+    from pdserve.v1 import worker_pb2
+
+    async def main() -> None:
+        pool = WorkerPool("decode", [], lambda c: c, policy="least_loaded")
+        ranks = [WorkerEndpoint(f"10.0.0.1:{5000 + r}", healthy=False) for r in range(2)]
+        lone = WorkerEndpoint("10.0.0.2:5000", healthy=False)
+        for w in [*ranks, lone]:
+            pool.workers[w.address] = w
+
+        def report(worker: WorkerEndpoint, **kw: object) -> None:
+            pool._apply(worker, worker_pb2.WatchResponse(free_blocks=100, total_blocks=100,
+                                                         block_size=16, **kw))  # fmt: skip
+
+        group = {"group": "g", "group_size": 2}
+        report(lone, num_running=5)  # busier than the ranks: picked only when they are out
+        report(ranks[0], group_rank=0, **group)
+        assert not ranks[0].routable, "half a group must not be routed to"
+        assert await pool.pick() is lone
+        report(ranks[1], group_rank=1, **group)
+        assert all(r.routable for r in ranks)
+        assert await pool.pick() in ranks
+
+        pool.failed(ranks[1])  # a call to rank 1 failed as if it were gone
+        assert not ranks[0].routable and not ranks[1].routable
+        assert await pool.pick() is lone
+        with pytest.raises(NoWorkerError, match="expert-parallel group incomplete"):
+            pool.router.pick([ranks[0]])
+        report(ranks[1], group_rank=1, **group)  # it reports again: the group is whole
+        assert ranks[0].routable and ranks[1].routable
+
+        # Rank 1 leaves the pool altogether (discovery no longer lists it).
+        pool.set_addresses([ranks[0].address, lone.address])
+        assert not ranks[0].routable
+        await pool.close()
+
+    asyncio.run(main())
