@@ -8,10 +8,13 @@
   EndpointSlices matching the role's label selector. An endpoint counts while it is ready
   (`conditions.ready` true or unset, as the API defines) and not terminating; its address is
   the first of its `addresses` (the only one Kubernetes gives meaning to) with the slice's
-  port named `--k8s-port-name`. A role's set is the union over its slices; a pod listed in
-  two slices (dual-stack, or while the controller moves it) counts once. The selector is also
-  applied here, so a server that ignores it cannot add foreign workers. A watch that breaks
-  resumes from the last resourceVersion with backoff; 410 Gone relists.
+  port named `--k8s-port-name`. An expert-parallel worker (`--expert-parallel N`) is N gRPC
+  endpoints in one pod: rank r listens on the port named `<port-name>-ep<r>` (rank 0 on
+  `<port-name>`), and each (pod, rank) is an address of its own; the coordinator learns the
+  group from the ranks' status streams. A role's set is the union over its slices; a pod
+  listed in two slices (dual-stack, or while the controller moves it) counts once. The
+  selector is also applied here, so a server that ignores it cannot add foreign workers. A
+  watch that breaks resumes from the last resourceVersion with backoff; 410 Gone relists.
 
 The Kubernetes API sits behind `SliceSource` (list + watch of raw EndpointSlice dicts):
 `KubernetesSliceSource` is the official `kubernetes` client, run in daemon threads so the
@@ -155,17 +158,37 @@ def _parse_requirement(term: str) -> Requirement:
 
 _FAMILY_RANK = {"IPv4": 0, "IPv6": 1, "FQDN": 2}
 Candidate = tuple[int, str]  # (address family rank, "host:port"): the lowest wins for a pod
+EndpointKey = tuple[str, int]  # (the pod, or its address when it names none; its EP rank)
+SliceMap = dict[str, dict[EndpointKey, Candidate]]  # a role's slices by name: their endpoints
 
 
-def slice_endpoints(endpoint_slice: Mapping[str, Any], port_name: str) -> dict[str, Candidate]:
-    """The ready, non-terminating endpoints of one EndpointSlice (API JSON form), keyed by
-    the pod they belong to (or their address when they name none)."""
+def rank_ports(endpoint_slice: Mapping[str, Any], port_name: str) -> dict[int, int]:
+    """{EP rank: port} of a slice: rank 0 at the port named `port_name`, rank r >= 1 at the
+    port named `<port_name>-ep<r>`."""
+    rank_of = re.compile(rf"{re.escape(port_name)}-ep([1-9][0-9]*)") if port_name else None
+    out: dict[int, int] = {}
+    for p in endpoint_slice.get("ports") or []:
+        name = p.get("name") or ""
+        if p.get("port") is None:
+            continue
+        if name == port_name:
+            out[0] = int(p["port"])
+        elif rank_of and (m := rank_of.fullmatch(name)):
+            out[int(m.group(1))] = int(p["port"])
+    return out
+
+
+def slice_endpoints(
+    endpoint_slice: Mapping[str, Any], port_name: str
+) -> dict[EndpointKey, Candidate]:
+    """The ready, non-terminating endpoints of one EndpointSlice (API JSON form), one per
+    (pod, EP rank): keyed by the pod they belong to (or their address when they name none)
+    and the rank whose port (see `rank_ports`) the address carries."""
     family = endpoint_slice.get("addressType", "IPv4")
-    ports = [p for p in endpoint_slice.get("ports") or [] if (p.get("name") or "") == port_name]
-    if family not in _FAMILY_RANK or not ports or ports[0].get("port") is None:
+    ports = rank_ports(endpoint_slice, port_name)
+    if family not in _FAMILY_RANK or not ports:
         return {}
-    port = int(ports[0]["port"])
-    out: dict[str, Candidate] = {}
+    out: dict[EndpointKey, Candidate] = {}
     for endpoint in endpoint_slice.get("endpoints") or []:
         conditions = endpoint.get("conditions") or {}
         if conditions.get("ready") is False or conditions.get("terminating") is True:
@@ -176,7 +199,8 @@ def slice_endpoints(endpoint_slice: Mapping[str, Any], port_name: str) -> dict[s
             continue
         ref = endpoint.get("targetRef") or {}
         key = ref.get("uid") or (f"{ref.get('kind')}/{ref['name']}" if ref.get("name") else host)
-        out[key] = (_FAMILY_RANK[family], f"{host}:{port}")
+        for rank, port in ports.items():
+            out[key, rank] = (_FAMILY_RANK[family], f"{host}:{port}")
     return out
 
 
@@ -191,8 +215,10 @@ def _host(address: str, family: str) -> str | None:
     return f"[{ip.compressed}]" if ip.version == 6 else ip.compressed
 
 
-def union_addresses(slices: Mapping[str, Mapping[str, Candidate]]) -> frozenset[str]:
-    best: dict[str, Candidate] = {}
+def union_addresses(
+    slices: Mapping[str, Mapping[EndpointKey, Candidate]],
+) -> frozenset[str]:
+    best: dict[EndpointKey, Candidate] = {}
     for endpoints in slices.values():
         for key, candidate in endpoints.items():
             if key not in best or candidate < best[key]:
@@ -251,7 +277,7 @@ class KubernetesDiscovery(Discovery):
             raise group.exceptions[0] from None
 
     async def _follow(self, role: str, selector: LabelSelector, on_change: OnChange) -> None:
-        slices: dict[str, dict[str, Candidate]] = {}
+        slices: SliceMap = {}
         reported: frozenset[str] | None = None
         version: str | None = None
         failures = 0  # in a row; sets the backoff
@@ -310,9 +336,7 @@ class KubernetesDiscovery(Discovery):
         initial, most = self._retry
         return min(most, initial * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
 
-    def _apply_event(
-        self, slices: dict[str, dict[str, Candidate]], selector: LabelSelector, event: dict
-    ) -> str | None:
+    def _apply_event(self, slices: SliceMap, selector: LabelSelector, event: dict) -> str | None:
         """Applies one watch event; returns its resourceVersion."""
         kind, obj = event.get("type"), event.get("object") or {}
         if kind == "ERROR":
@@ -323,9 +347,7 @@ class KubernetesDiscovery(Discovery):
             self._apply(slices, selector, kind, obj)
         return (obj.get("metadata") or {}).get("resourceVersion")
 
-    def _apply(
-        self, slices: dict[str, dict[str, Candidate]], selector: LabelSelector, kind: str, obj: dict
-    ) -> None:
+    def _apply(self, slices: SliceMap, selector: LabelSelector, kind: str, obj: dict) -> None:
         meta = obj.get("metadata") or {}
         name = meta.get("name") or meta.get("uid")
         if not name:
@@ -513,7 +535,8 @@ def add_discovery_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--k8s-port-name",
         default=env("k8s_port_name", "grpc"),
-        help="the EndpointSlice port workers take gRPC calls on (default: %(default)s)",
+        help="the EndpointSlice port workers take gRPC calls on; an expert-parallel "
+        "worker's rank r takes them on the port named NAME-ep<r> (default: %(default)s)",
     )
 
 

@@ -83,7 +83,18 @@ class Slices:
         api_client, _ = kubernetes_client()
         self.api = DiscoveryV1Api(api_client)
 
-    def create(self, name: str, service: str, endpoints: list[dict], family: str = "IPv4") -> None:
+    def create(
+        self,
+        name: str,
+        service: str,
+        endpoints: list[dict],
+        family: str = "IPv4",
+        ranks: int = 1,
+    ) -> None:
+        """`ranks` > 1: the ports of an expert-parallel worker (grpc, grpc-ep1, ...)."""
+        port = 50061 if "prefill" in service else 50071
+        ports = [{"name": "grpc", "port": port}]
+        ports += [{"name": f"grpc-ep{r}", "port": port + r} for r in range(1, ranks)]
         body = {
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
@@ -93,7 +104,7 @@ class Slices:
                 "labels": {"kubernetes.io/service-name": service},
             },
             "addressType": family,
-            "ports": [{"name": "grpc", "port": 50061 if "prefill" in service else 50071}],
+            "ports": ports,
             "endpoints": endpoints,
         }
         self.api.create_namespaced_endpoint_slice(NAMESPACE, body, _preload_content=False)
@@ -250,3 +261,27 @@ def test_a_watch_that_breaks_resumes_without_repeating(apiserver: str) -> None:
         frozenset({"10.0.0.1:50061", "10.0.0.2:50061"}),
         frozenset({"10.0.0.2:50061"}),
     ]
+
+
+def test_expert_parallel_ranks_through_the_real_client(apiserver: str) -> None:
+    """An EP-2 decode pod's slice carries grpc and grpc-ep1: one address per rank, beside an
+    EP-1 pod in a slice of its own (as during a rollout)."""
+    slices = Slices()
+    slices.create("d-old", "llm-pdserve-decode-headless", [ep("10.0.1.1")])
+    args = discovery_args(
+        "--discovery", "kubernetes", "--prefill-selector", PREFILL, "--decode-selector", DECODE
+    )
+    discovery = build_discovery(args, {"prefill": [], "decode": [], "colocated": []})
+    observed = Observed()
+
+    async def scenario() -> None:
+        async with running(discovery, observed):
+            await observed.becomes("decode", "10.0.1.1:50071")
+            await asyncio.to_thread(
+                slices.create, "d-ep", "llm-pdserve-decode-headless", [ep("10.0.1.2")], ranks=2
+            )
+            await observed.becomes("decode", "10.0.1.1:50071", "10.0.1.2:50071", "10.0.1.2:50072")
+            await asyncio.to_thread(slices.delete, "d-old")
+            await observed.becomes("decode", "10.0.1.2:50071", "10.0.1.2:50072")
+
+    asyncio.run(scenario())

@@ -24,6 +24,7 @@ from pdserve.services.coordinator.discovery import (
     build_discovery,
     pod_namespace,
     slice_endpoints,
+    union_addresses,
 )
 
 PREFILL = "kubernetes.io/service-name=llm-pdserve-prefill-headless"
@@ -165,6 +166,75 @@ def test_ipv6_in_brackets_and_only_the_first_address() -> None:
     assert addresses(fqdn) == {"w-0.pool.llm.svc.cluster.local:50061"}
 
 
+def ep_ports(port: int, ranks: int) -> list[dict]:
+    """A slice's ports for workers of `ranks` expert-parallel ranks, as the chart names them."""
+    out = [{"name": "grpc", "port": port, "protocol": "TCP"}]
+    out += [{"name": f"grpc-ep{r}", "port": port + r, "protocol": "TCP"} for r in range(1, ranks)]
+    out += [{"name": "metrics", "port": 9090, "protocol": "TCP"}]
+    out += [
+        {"name": f"metrics-ep{r}", "port": 9090 + r, "protocol": "TCP"} for r in range(1, ranks)
+    ]
+    return out
+
+
+def test_an_expert_parallel_pod_is_one_address_per_rank() -> None:
+    s = eslice("d", [endpoint("10.0.0.1", pod="w1")], port=50071, ports=ep_ports(50071, 2))
+    assert slice_endpoints(s, "grpc") == {
+        ("uid-w1", 0): (0, "10.0.0.1:50071"),
+        ("uid-w1", 1): (0, "10.0.0.1:50072"),
+    }
+    assert addresses(s, "metrics") == {"10.0.0.1:9090", "10.0.0.1:9091"}
+    # A rank that is not ready takes its whole pod (its group) with it: the pod's readiness.
+    down = eslice("d", [endpoint("10.0.0.1", ready=False, pod="w1")], ports=ep_ports(50071, 2))
+    assert addresses(down) == set()
+
+
+def test_only_ports_named_name_ep_rank_are_ranks() -> None:
+    ports = [
+        {"name": "grpc", "port": 50071},
+        {"name": "grpc-ep2", "port": 50073},  # ranks need not come in order
+        {"name": "grpc-ep1", "port": 50072},
+        {"name": "grpc-ep0", "port": 1},  # rank 0 is `grpc` itself
+        {"name": "grpc-ep01", "port": 2},
+        {"name": "grpc-epx", "port": 3},
+        {"name": "grpcx-ep1", "port": 4},
+        {"name": "xgrpc-ep1", "port": 5},
+        {"name": "grpc-ep3", "port": None},
+    ]
+    s = eslice("d", [endpoint("10.0.0.1")], ports=ports)
+    assert addresses(s) == {"10.0.0.1:50071", "10.0.0.1:50072", "10.0.0.1:50073"}
+    # An unnamed port has no ranks.
+    unnamed = eslice(
+        "d", [endpoint("10.0.0.1")], ports=[{"port": 7000}, {"name": "-ep1", "port": 1}]
+    )
+    assert addresses(unnamed, "") == {"10.0.0.1:7000"}
+
+
+def test_mixed_pods_and_dual_stack_count_each_rank_once() -> None:
+    """During a rollout from EP 1 to EP 2 the controller puts pods with different port sets
+    in different slices; a dual-stack pod is in an IPv4 and an IPv6 slice (IPv4 wins)."""
+    old = eslice("d-old", [endpoint("10.0.0.1", pod="old")], port=50071)
+    new = eslice(
+        "d-new",
+        [endpoint("10.0.0.2", pod="new"), endpoint("10.0.0.3", pod="new2")],
+        ports=ep_ports(50071, 2),
+    )
+    new6 = eslice("d-new6", [endpoint("fd00::2", pod="new")], "IPv6", ports=ep_ports(50071, 2))
+    slices = {
+        name: slice_endpoints(s, "grpc")
+        for name, s in [("d-old", old), ("d-new", new), ("d-new6", new6)]
+    }
+    assert union_addresses(slices) == {
+        "10.0.0.1:50071",
+        "10.0.0.2:50071",
+        "10.0.0.2:50072",
+        "10.0.0.3:50071",
+        "10.0.0.3:50072",
+    }
+    del slices["d-new"]
+    assert union_addresses(slices) == {"10.0.0.1:50071", "[fd00::2]:50071", "[fd00::2]:50072"}
+
+
 # --- a scripted Kubernetes API ----------------------------------------------------------------
 
 
@@ -295,6 +365,29 @@ def test_slices_appear_change_readiness_and_disappear() -> None:
         ("prefill", fs("10.0.0.2:50061", "10.0.0.3:50061")),
         ("prefill", fs("10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061")),
         ("prefill", fs("10.0.0.1:50061")),
+    ]
+
+
+def test_a_rollout_to_expert_parallel_replaces_a_pod_by_its_ranks() -> None:
+    old = eslice("d-old", [endpoint("10.0.0.1", pod="old")], DECODE, port=50071, version="31")
+    new = eslice(
+        "d-new", [endpoint("10.0.0.2", pod="new")], DECODE, ports=ep_ports(50071, 3), version="32"
+    )
+    old_gone = old | {"metadata": old["metadata"] | {"resourceVersion": "33"}}
+    source = ScriptedSource(
+        {
+            DECODE: [
+                List([old], "30"),
+                Watch("30", [ev("ADDED", new), ev("DELETED", old_gone)]),
+                Watch("33"),
+            ]
+        }
+    )
+    changes = discover(source, {"decode": DECODE})
+    assert changes == [
+        ("decode", fs("10.0.0.1:50071")),
+        ("decode", fs("10.0.0.1:50071", "10.0.0.2:50071", "10.0.0.2:50072", "10.0.0.2:50073")),
+        ("decode", fs("10.0.0.2:50071", "10.0.0.2:50072", "10.0.0.2:50073")),
     ]
 
 
