@@ -8,6 +8,9 @@ experts run through `pdserve.kernels.moe` (grouped by expert), and Qwen2-MoE's s
 adds `sigmoid(shared_gate(x)) * shared_expert(x)`. When expert counting is on, each block
 adds its routing to an `ExpertTokenCounter` (one bincount per layer and step).
 
+Under expert parallelism a block keeps only its rank's expert slots and its own `SlotMap`
+(each layer is placed on its own); `replace_experts` re-places them between steps.
+
 Weights come from the Hugging Face state dict in either layout: one tensor per expert and
 projection (how checkpoints are published), or stacked `experts.gate_up_proj` [E, 2I, H] /
 `experts.down_proj` [E, H, I]."""
@@ -21,7 +24,13 @@ from typing import Any
 import torch
 
 from pdserve.common.errors import ModelLoadError
-from pdserve.common.models.expert_parallel import ExpertShard, ep_experts
+from pdserve.common.models.eplb import SlotMap
+from pdserve.common.models.expert_parallel import (
+    ExpertShard,
+    TrafficCounter,
+    ep_experts,
+    move_experts,
+)
 from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import ModelFamily, MoeSpec, is_sparse_layer
 from pdserve.common.models.linear import Linear
@@ -71,27 +80,40 @@ class SparseMoeBlock:
     shared: DenseMlp | None = None
     shared_gate: Linear | None = None  # [1, H]
     counter: ExpertTokenCounter | None = None
-    # Expert parallelism: w13 / w2 hold only this rank's experts (`shard_experts`).
+    # Expert parallelism: w13 / w2 hold only this rank's slots of `slots` (`shard_experts`).
     shard: ExpertShard | None = None
+    slots: SlotMap | None = None
+    traffic: TrafficCounter | None = None
 
     @property
     def num_experts(self) -> int:
         return self.router.weight.out_features
 
     def shard_experts(self, shard: ExpertShard) -> None:
-        """Keep only `shard`'s experts; from now on every call exchanges rows with the other
-        ranks, which must call in lockstep."""
+        """Keep only `shard`'s slots under the placement at load; from now on every call
+        exchanges rows with the other ranks, which must call in lockstep."""
         if self.shard is not None or shard.num_experts != self.num_experts:
             raise ValueError(f"layer {self.layer}: already sharded or wrong expert count")
-        self.w13, self.w2 = shard.local(self.w13), shard.local(self.w2)
-        self.shard = shard
+        slots = shard.initial_slots()
+        self.w13, self.w2 = shard.local(self.w13, slots), shard.local(self.w2, slots)
+        self.shard, self.slots = shard, slots
+
+    def replace_experts(self, slots: SlotMap) -> int:
+        """Move to placement `slots` (all ranks together, between steps); returns the expert
+        copies that crossed ranks."""
+        assert self.shard is not None and self.slots is not None
+        self.w13, self.w2, moved = move_experts(self.w13, self.w2, self.slots, slots, self.shard)
+        self.slots = slots
+        return moved
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
         if self.counter is not None:
             self.counter.add(self.layer, ids)
         if self.shard is not None:
-            out = ep_experts(x, weights, ids, self.w13, self.w2, self.shard)
+            out = ep_experts(
+                x, weights, ids, self.w13, self.w2, self.shard, self.traffic, self.slots
+            )
         else:
             out = moe_kernels.experts(x, self.w13, self.w2, weights, ids)
         if self.shared is not None:
