@@ -149,6 +149,7 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
             )
         from pdserve.services.expert_parallel import join_expert_parallel_group
 
+        engine_config(args).validate()  # bad flags fail here, before any rank starts
         join_expert_parallel_group(args, engine_argv(args))
     try:
         config = engine_config(args)

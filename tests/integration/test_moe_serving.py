@@ -17,6 +17,8 @@ import asyncio
 import concurrent.futures
 import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -202,3 +204,36 @@ def test_a_dead_rank_fails_its_group_and_the_coordinator_routes_around(
     finally:
         for service in reversed(started):
             service.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--expert-parallel", "3"], "--expert-parallel: must divide the model's 8 experts, got 3"),
+        (["--expert-parallel", "2", "--redundant-experts", "1"],
+         "redundant_experts: must be a multiple of expert_parallel (2)"),
+        (["--redundant-experts", "2"], "redundant_experts: copies of experts need expert_parallel"),
+        (["--expert-parallel", "2", "--redundant-experts", "16"],
+         "--redundant-experts: at most the model's 8 experts, got 16"),
+    ],
+)  # fmt: skip
+def test_bad_expert_parallel_flags_fail_before_any_rank_starts(moe_dir, flags, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.services.cli", "decode", "--model", str(moe_dir),
+         "--port", "0", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_dense_model_refuses_expert_parallel(default_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.services.cli", "prefill", "--model",
+         str(default_model_dir), "--port", "0", "--expert-parallel", "2",
+         "--redundant-experts", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "is not a mixture-of-experts model" in result.stderr, result.stderr[-2000:]
