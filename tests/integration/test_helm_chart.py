@@ -37,6 +37,7 @@ from pdserve.services.coordinator.discovery import (
     LabelSelector,
     StaticDiscovery,
     build_discovery,
+    slice_endpoints,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,6 +312,11 @@ def test_env_ports_and_probes_match_the_cli(value_set: str, monkeypatch) -> None
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == args.port
         assert ports["metrics"] == args.metrics_port != 0
+        # Expert-parallel rank r listens on port + r and metrics port + r (services/worker.py).
+        ranks = getattr(args, "expert_parallel", 1)
+        for prefix, base in (("grpc", args.port), ("metrics", args.metrics_port)):
+            named = {n: p for n, p in ports.items() if n.startswith(f"{prefix}-ep")}
+            assert named == {f"{prefix}-ep{r}": base + r for r in range(1, ranks)}, component
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == args.port, f"{component} {probe}"
         grace = deployment(docs, component)["spec"]["template"]["spec"][
@@ -531,7 +537,7 @@ def test_rbac_grants_only_endpointslice_reads() -> None:
         assert spec["automountServiceAccountToken"] is False
 
 
-@pytest.mark.parametrize("value_set", ["default", "everything"])
+@pytest.mark.parametrize("value_set", ["default", "everything", "expert-parallel"])
 def test_network_policies_match_the_pods(value_set: str) -> None:
     docs = manifests(value_set)
     labels = {c: pod_labels(deployment(docs, c)) for c in ("coordinator", *WORKERS)}
@@ -568,13 +574,17 @@ def test_network_policies_match_the_pods(value_set: str) -> None:
                 all_ports_from |= sources(rule)
             elif "grpc" in named:
                 grpc_from |= sources(rule)
+                # Every expert-parallel rank's gRPC port is open to the same peers as rank 0's.
+                assert {p for p in ports if p.split("-ep")[0] == "grpc"} <= named, component
+            elif "metrics" in named:
+                assert {p for p in ports if p.split("-ep")[0] == "metrics"} <= named, component
         if component == "prefill":
             assert grpc_from == {"coordinator"} and all_ports_from == {"decode"}
         elif component == "decode":
             assert grpc_from == {"coordinator"} and all_ports_from == {"prefill"}
         else:
             assert not all_ports_from
-            expected = {"*"} if value_set == "default" else {"external", "test"}
+            expected = {"external", "test"} if value_set == "everything" else {"*"}
             assert grpc_from == expected
 
 
@@ -594,6 +604,26 @@ def test_service_monitor_selects_every_metrics_service() -> None:
     for svc in matched:
         assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
     assert not find(manifests("default"), "ServiceMonitor")
+
+
+def test_service_monitor_scrapes_every_expert_parallel_ranks_metrics_port() -> None:
+    docs = render(
+        "default", "decode.expertParallel=2", "decode.gpus=2", "metrics.serviceMonitor.enabled=true"
+    )
+    (sm,) = find(docs, "ServiceMonitor")
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics", "metrics-ep1"]
+    assert {e["path"] for e in sm["spec"]["endpoints"]} == {"/metrics"}
+    decode = one(docs, "Service", f"{FULLNAME}-decode-headless")
+    assert selects(sm["spec"]["selector"], decode["metadata"]["labels"])
+    assert {"metrics", "metrics-ep1"} <= {p["name"] for p in decode["spec"]["ports"]}
+    # The widest pool sets the endpoints; a Service without a rank's port gives no target.
+    (sm,) = find(manifests("expert-parallel"), "ServiceMonitor")
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == [
+        "metrics",
+        "metrics-ep1",
+        "metrics-ep2",
+        "metrics-ep3",
+    ]
 
 
 def test_dashboard_ships_in_a_configmap_for_grafanas_sidecar() -> None:
@@ -663,6 +693,99 @@ def test_prometheus_rule_records_latency_percentiles(tmp_path: Path) -> None:
     unit.write_text(yaml.safe_dump({"rule_files": [str(rules)], "tests": [test]}))
     result = run_promtool("test", "rules", str(unit))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- expert parallelism ------------------------------------------------------------------------
+
+
+def test_expert_parallel_pools_get_the_flags_and_a_port_per_rank(monkeypatch) -> None:
+    docs = render("default", "decode.expertParallel=2", "decode.gpus=2")
+    c = container(deployment(docs, "decode"))
+    args, _, env = parse_container(c, monkeypatch)
+    assert args.expert_parallel == 2 and args.redundant_experts == 0
+    assert "PDSERVE_REDUNDANT_EXPERTS" not in env
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 2
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [
+        ("grpc", 50071),
+        ("grpc-ep1", 50072),
+        ("metrics", 9090),
+        ("metrics-ep1", 9091),
+    ]
+    svc = one(docs, "Service", f"{FULLNAME}-decode-headless")
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        ("grpc", 50071, "grpc"),
+        ("grpc-ep1", 50072, "grpc-ep1"),
+        ("metrics", 9090, "metrics"),
+        ("metrics-ep1", 9091, "metrics-ep1"),
+    ]
+    # The other pool, and the default, stay single-rank.
+    prefill_args, _, prefill_env = parse_container(
+        container(deployment(docs, "prefill")), monkeypatch
+    )
+    assert prefill_args.expert_parallel == 1 and "PDSERVE_EXPERT_PARALLEL" not in prefill_env
+    assert "-ep1" not in yaml.safe_dump_all(manifests("default"))
+
+
+def test_expert_parallel_ranks_reach_the_coordinator_as_workers(monkeypatch) -> None:
+    """The EndpointSlice Kubernetes derives from each headless Service (its port names, the
+    pod's port numbers), read by the coordinator's own discovery code with its own flags: one
+    worker address per rank, on the port that rank listens on."""
+    docs = manifests("expert-parallel")
+    coord, _, _ = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
+    for role, ranks, redundant in (("prefill", 4, 4), ("decode", 2, 0)):
+        c = container(deployment(docs, role))
+        args, _, _ = parse_container(c, monkeypatch)
+        assert (args.expert_parallel, args.redundant_experts) == (ranks, redundant)
+        assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= ranks
+        numbers = {p["name"]: p["containerPort"] for p in c["ports"]}
+        svc = one(docs, "Service", f"{FULLNAME}-{role}-headless")
+        ports = [
+            {"name": p["name"], "port": numbers[p["targetPort"]]} for p in svc["spec"]["ports"]
+        ]
+        ref = {"kind": "Pod", "name": f"{role}-abc", "uid": "u1"}
+        endpoint = {"addresses": [args.host], "conditions": {"ready": True}, "targetRef": ref}
+        eslice = {"addressType": "IPv4", "ports": ports, "endpoints": [endpoint]}
+        found = {a for _, a in slice_endpoints(eslice, coord.k8s_port_name).values()}
+        assert found == {f"{args.host}:{args.port + r}" for r in range(ranks)}
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["decode.expertParallel=0"], "decode.expertParallel must be an integer >= 1"),
+        (["prefill.expertParallel=two"], "prefill.expertParallel must be an integer >= 1"),
+        (["decode.expertParallel=1.5"], "decode.expertParallel must be an integer >= 1"),
+        (
+            ["decode.expertParallel=2"],
+            "decode.gpus is 1 but decode.expertParallel is 2: each rank uses a GPU of its own",
+        ),
+        (
+            ["decode.expertParallel=2", "decode.gpus=2", "decode.redundantExperts=3"],
+            "decode.redundantExperts must be a multiple of decode.expertParallel (2), got 3",
+        ),
+        (["decode.redundantExperts=2"], "decode.redundantExperts needs decode.expertParallel >= 2"),
+        (
+            ["decode.expertParallel=2", "decode.gpus=2", "decode.device=cuda:0"],
+            "decode.device cuda:0 would put every rank on one GPU",
+        ),
+        (
+            ["decode.expertParallel=2", "decode.gpus=2", "decode.port=9089"],
+            "decode: gRPC ports 9089..9090 and metrics ports 9090..9091 overlap",
+        ),
+    ],
+)
+def test_bad_expert_parallel_values_fail_the_render(sets: list[str], message: str) -> None:
+    """The template's own checks, which also hold with --skip-schema-validation (the schema
+    rejects the non-integers and values below 1 first: see test_schema_rejects_bad_values)."""
+    for skip in ([], ["--skip-schema-validation"]):
+        args = ["template", RELEASE, str(CHART), *skip]
+        for s in sets:
+            args += ["--set", s]
+        result = helm(*args, check=False)
+        assert result.returncode != 0
+        if not skip and "values don't meet the specifications of the schema" in result.stderr:
+            continue  # the schema caught it first
+        assert message in result.stderr, result.stderr
 
 
 # --- security, the test hook ----------------------------------------------------------------
@@ -739,6 +862,8 @@ def test_helm_test_hook_checks_the_answer(answer: str, passes: bool, tmp_path: P
         ("decode.podAntiAffinity=always", "at '/decode/podAntiAffinity'"),
         ("ucx.env.NOT_UCX=1", "'NOT_UCX' does not match pattern '^UCX_[A-Z0-9_]+$'"),
         ("coordinator.discovery=dns", "at '/coordinator/discovery'"),
+        ("decode.expertParallel=0", "at '/decode/expertParallel': minimum: got 0, want 1"),
+        ("prefill.redundantExperts=-4", "at '/prefill/redundantExperts'"),
     ],
 )
 def test_schema_rejects_bad_values(override: str, message: str) -> None:

@@ -233,3 +233,46 @@ affinity:
   value: {{ $val | toString | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* The expert-parallel rank count of a worker pool, checked with what depends on it:
+(dict "root" . "component" "decode"). Rank r of a pod listens on port + r and metrics.port + r
+and uses cuda:r. The schema checks the types too; this also covers --skip-schema-validation. */}}
+{{- define "pdserve.expertParallel" -}}
+{{- $v := .root.Values -}}
+{{- $role := .component -}}
+{{- $pool := index $v $role -}}
+{{- $ep := $pool.expertParallel -}}
+{{- $isNumber := or (kindIs "int64" $ep) (kindIs "int" $ep) (kindIs "float64" $ep) -}}
+{{- if or (not $isNumber) (and $isNumber (or (lt (float64 $ep) 1.0) (ne (float64 $ep) (float64 (int64 $ep))))) -}}
+{{- fail (printf "%s.expertParallel must be an integer >= 1 (the expert-parallel rank processes of each pod; 1 for a dense model), got %v" $role $ep) -}}
+{{- end -}}
+{{- $n := int $ep -}}
+{{- $k := $pool.redundantExperts | default 0 -}}
+{{- if or (not (or (kindIs "int64" $k) (kindIs "int" $k) (kindIs "float64" $k))) (lt (float64 $k) 0.0) (ne (float64 $k) (float64 (int64 $k))) -}}
+{{- fail (printf "%s.redundantExperts must be an integer >= 0, got %v" $role $k) -}}
+{{- end -}}
+{{- if and (gt (int $k) 0) (lt $n 2) -}}
+{{- fail (printf "%s.redundantExperts needs %s.expertParallel >= 2, got %d" $role $role $n) -}}
+{{- end -}}
+{{- if and (gt (int $k) 0) (ne (mod (int $k) $n) 0) -}}
+{{- fail (printf "%s.redundantExperts must be a multiple of %s.expertParallel (%d), got %d" $role $role $n (int $k)) -}}
+{{- end -}}
+{{- if and (gt (int $pool.gpus) 0) (lt (int $pool.gpus) $n) -}}
+{{- fail (printf "%s.gpus is %d but %s.expertParallel is %d: each rank uses a GPU of its own (rank r: cuda:r), so gpus must be >= expertParallel (or 0 on CPU)" $role (int $pool.gpus) $role $n) -}}
+{{- end -}}
+{{- if and (gt $n 1) (hasPrefix "cuda:" $pool.device) -}}
+{{- fail (printf "%s.device %s would put every rank on one GPU: with expertParallel > 1 use cuda (rank r takes cuda:r)" $role $pool.device) -}}
+{{- end -}}
+{{- $grpc := int $pool.port -}}
+{{- $metrics := int $v.metrics.port -}}
+{{- if gt (add $grpc $n -1) 65535 -}}
+{{- fail (printf "%s: ports %d..%d (port + rank) go past 65535" $role $grpc (add $grpc $n -1)) -}}
+{{- end -}}
+{{- if gt (add $metrics $n -1) 65535 -}}
+{{- fail (printf "%s: metrics ports %d..%d (metrics.port + rank) go past 65535" $role $metrics (add $metrics $n -1)) -}}
+{{- end -}}
+{{- if and (le $grpc (add $metrics $n -1)) (le $metrics (add $grpc $n -1)) -}}
+{{- fail (printf "%s: gRPC ports %d..%d and metrics ports %d..%d overlap (rank r listens on port + r and metrics.port + r)" $role $grpc (add $grpc $n -1) $metrics (add $metrics $n -1)) -}}
+{{- end -}}
+{{- $n -}}
+{{- end -}}

@@ -5,6 +5,7 @@
 {{- $role := .component -}}
 {{- $pool := index $v $role -}}
 {{- $e := $pool.engine -}}
+{{- $ep := include "pdserve.expertParallel" . | int -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -56,9 +57,19 @@ spec:
             - name: grpc
               containerPort: {{ $pool.port }}
               protocol: TCP
+            {{- range $r := untilStep 1 $ep 1 }}
+            - name: grpc-ep{{ $r }}
+              containerPort: {{ add $pool.port $r }}
+              protocol: TCP
+            {{- end }}
             - name: metrics
               containerPort: {{ $v.metrics.port }}
               protocol: TCP
+            {{- range $r := untilStep 1 $ep 1 }}
+            - name: metrics-ep{{ $r }}
+              containerPort: {{ add $v.metrics.port $r }}
+              protocol: TCP
+            {{- end }}
           env:
             # Listen on the pod IP: a prefill worker puts HOST:PORT into its KV handles and
             # decode workers call it back there, so it must be an address other pods reach.
@@ -95,6 +106,16 @@ spec:
             {{- if not $e.prefixCaching }}
             - name: PDSERVE_NO_PREFIX_CACHING
               value: "1"
+            {{- end }}
+            {{- if gt $ep 1 }}
+            # Mixture of experts: this process is rank 0 and starts ranks 1..N-1 in the
+            # container; rank r listens on PDSERVE_PORT + r (grpc-epR) and uses cuda:r.
+            - name: PDSERVE_EXPERT_PARALLEL
+              value: {{ $ep | quote }}
+            {{- end }}
+            {{- if gt (int $pool.redundantExperts) 0 }}
+            - name: PDSERVE_REDUNDANT_EXPERTS
+              value: {{ $pool.redundantExperts | int | quote }}
             {{- end }}
             - name: PDSERVE_TRANSFER_TIMEOUT
               value: {{ $pool.transferTimeout | quote }}
