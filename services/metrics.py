@@ -81,8 +81,9 @@ class MoeRoutingCollector(Collector):
     """Tokens the router of each MoE layer sent to each expert on this worker
     (`pdserve_moe_expert_tokens_total{layer, expert}`: sum the ranks of a group for the
     group's load) and, per layer, the group's busiest rank's tokens over the mean rank's
-    (`pdserve_moe_expert_load_imbalance`; 1.0 is even). Read from the engine's counters
-    when scraped: one copy of a [layers, experts] table, no Python work per step."""
+    (`pdserve_moe_expert_load_imbalance`; 1.0 is even); with expert parallelism also the
+    all-to-all bytes sent and the redundant experts' re-placements. Read from the engine's
+    counters when scraped: one copy of a [layers, experts] table, no Python work per step."""
 
     def __init__(self, runner: ModelRunner, labels: dict[str, str]) -> None:
         self.runner = runner
@@ -113,6 +114,20 @@ class MoeRoutingCollector(Collector):
             for layer in self.moe_layers:
                 ratio.add_metric([*values, str(layer)], float(imbalance[layer]))
         yield ratio
+        if self.runner.config.expert_parallel < 2:
+            return
+        balance = self.runner.expert_balance
+        for name, text, value in [
+            ("pdserve_moe_alltoall_bytes", "Bytes this rank sent to other ranks in the MoE "
+             "layers' all-to-all (dispatch and combine)", balance.traffic.bytes_sent),
+            ("pdserve_moe_expert_rebalances", "Re-placements of the redundant experts",
+             balance.rebalances),
+            ("pdserve_moe_expert_copies_moved", "Expert copies moved between ranks by "
+             "re-placements", balance.experts_moved),
+        ]:  # fmt: skip
+            family = CounterMetricFamily(name, text, labels=list(self.labels))
+            family.add_metric(values, value)
+            yield family
 
 
 class WorkerMetrics:

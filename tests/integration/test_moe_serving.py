@@ -5,7 +5,8 @@ each its own gRPC endpoint with its own KV cache, stepping in lockstep.
 - Disaggregated, prefill EP 2 → decode EP 1 and prefill EP 1 → decode EP 2 (KV handed over
   UCX between groups of different sizes): greedy ids equal the offline engine's, the
   coordinator spreads requests over both ranks, and every rank's blocks come back.
-- A colocated EP 2 group exports `pdserve_moe_expert_tokens_total{layer, expert}`: over the
+- A colocated EP 2 group, with and without redundant experts re-placed every 2 steps,
+  answers exactly and exports `pdserve_moe_expert_tokens_total{layer, expert}`: over the
   ranks, exactly top_k × the tokens it computed per MoE layer; and the imbalance gauge; the
   exposition passes `promtool check metrics`.
 - A rank killed with SIGKILL takes its group down with an error naming the rank (no hang),
@@ -62,8 +63,10 @@ def offline(moe_dir, prompts) -> list[list[int]]:
     return [out.token_ids for out in engine.generate(prompts, params)]
 
 
-def start_worker(role: str, moe_dir: Path, ep: int) -> RunningService:
-    service = start(role, "--model", str(moe_dir), *WORKER_ARGS, "--expert-parallel", str(ep))
+def start_worker(role: str, moe_dir: Path, ep: int, *flags: str) -> RunningService:
+    service = start(
+        role, "--model", str(moe_dir), *WORKER_ARGS, "--expert-parallel", str(ep), *flags
+    )
     for rank in ranks(service):
         asyncio.run(wait_healthy(rank["grpc"], 60))
     return service
@@ -134,8 +137,10 @@ def test_disaggregated_groups_of_different_sizes(moe_dir, prompts, offline, pref
             service.stop()
 
 
-def test_colocated_group_exports_expert_routing(moe_dir, prompts, offline):
-    worker = start_worker("colocated", moe_dir, 2)
+@pytest.mark.parametrize("redundant", [0, 2])
+def test_colocated_group_exports_expert_routing(moe_dir, prompts, offline, redundant):
+    flags = ["--redundant-experts", str(redundant), "--eplb-interval", "2"] if redundant else []
+    worker = start_worker("colocated", moe_dir, 2, *flags)
     try:
         coordinator = start(
             "coordinator", "--model", str(moe_dir),
@@ -164,6 +169,11 @@ def test_colocated_group_exports_expert_routing(moe_dir, prompts, offline):
             for e in range(8)
         ]  # fmt: skip
         assert sum(1 for n in per_expert if n) > 2, f"routing used few experts: {per_expert}"
+        for rank in ranks(worker):
+            assert rank_metric(rank, "pdserve_moe_alltoall_bytes_total") > 0
+            rebalances = rank_metric(rank, "pdserve_moe_expert_rebalances_total")
+            # Every 2 forwards, copies re-placed between steps: the answers above are exact.
+            assert (rebalances > 3) if redundant else (rebalances == 0), rebalances
         with urllib.request.urlopen(ranks(worker)[1]["metrics"], timeout=10) as r:
             exposition = r.read().decode()
         assert "pdserve_moe_expert_tokens_total{" in exposition
