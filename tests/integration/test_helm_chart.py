@@ -474,6 +474,10 @@ def test_notes_say_how_workers_are_found() -> None:
     static = notes("decode.replicas=3", "coordinator.discovery=static")
     assert "pick_first" in static and "EndpointSlices" not in static
     assert "must be allowed to list and watch" in notes("rbac.create=false")
+    assert "Expert parallelism" not in default
+    ep = notes("decode.expertParallel=2", "decode.gpus=2")
+    assert "every decode pod runs 2 ranks" in ep and "gRPC ports 50071-50072" in ep
+    assert "metrics 9090-9091" in ep and "prefill pod runs" not in ep
 
 
 def test_coordinator_serves_the_http_api(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -749,6 +753,17 @@ def test_expert_parallel_ranks_reach_the_coordinator_as_workers(monkeypatch) -> 
         assert found == {f"{args.host}:{args.port + r}" for r in range(ranks)}
 
 
+def test_static_discovery_lists_every_rank_of_a_single_pod(monkeypatch) -> None:
+    docs = render(
+        "default", "decode.expertParallel=2", "decode.gpus=2", "coordinator.discovery=static"
+    )
+    args, _, _ = parse_container(container(deployment(docs, "coordinator")), monkeypatch)
+    host = f"{FULLNAME}-decode-headless.{NAMESPACE}.svc.cluster.local"
+    assert args.decode_workers.split(",") == [f"{host}:50071", f"{host}:50072"]
+    assert "," not in args.prefill_workers
+    assert discovery_of(args).roles == set(WORKERS)
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
@@ -771,6 +786,15 @@ def test_expert_parallel_ranks_reach_the_coordinator_as_workers(monkeypatch) -> 
         (
             ["decode.expertParallel=2", "decode.gpus=2", "decode.port=9089"],
             "decode: gRPC ports 9089..9090 and metrics ports 9090..9091 overlap",
+        ),
+        (
+            [
+                "decode.expertParallel=2",
+                "decode.gpus=2",
+                "decode.replicas=2",
+                "coordinator.discovery=static",
+            ],
+            "decode.expertParallel > 1 with coordinator.discovery=static needs decode.replicas: 1",
         ),
     ],
 )

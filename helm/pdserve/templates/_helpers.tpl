@@ -29,10 +29,21 @@
 {{- printf "%s-%s-headless" (include "pdserve.fullname" .root) .role -}}
 {{- end -}}
 
-{{/* host:port of a worker pool's headless Service, fully qualified. */}}
+{{/* host:port of a worker pool's headless Service, fully qualified; with expertParallel N,
+one per rank (port + r), comma-separated. Each name resolves to every pod and gRPC's
+pick_first picks one per address, so a group is whole only with a single pod. */}}
 {{- define "pdserve.poolAddress" -}}
 {{- $pool := index .root.Values .role -}}
-{{- printf "%s.%s.svc.%s:%d" (include "pdserve.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int $pool.port) -}}
+{{- $n := include "pdserve.expertParallel" (dict "root" .root "component" .role) | int -}}
+{{- if and (gt $n 1) (or (gt (int $pool.replicas) 1) $pool.autoscaling.enabled) -}}
+{{- fail (printf "%s.expertParallel > 1 with coordinator.discovery=static needs %s.replicas: 1 and no autoscaling (the Service name cannot tell which ranks share a pod); use coordinator.discovery=kubernetes" .role .role) -}}
+{{- end -}}
+{{- $host := printf "%s.%s.svc.%s" (include "pdserve.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- $addresses := list -}}
+{{- range $r := until $n -}}
+{{- $addresses = append $addresses (printf "%s:%d" $host (add (int $pool.port) $r)) -}}
+{{- end -}}
+{{- join "," $addresses -}}
 {{- end -}}
 
 {{/* Labels */}}
