@@ -32,6 +32,11 @@ from pdserve.common.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
+# Expert re-placement: weight of a window's counts in the next one's load estimate, and the
+# least drop of the busiest rank's load (as a fraction of the mean) worth moving weights for.
+LOAD_DECAY = 0.75
+MIN_PLACEMENT_GAIN = 0.05
+
 
 @dataclass
 class ExpertBalanceState:
@@ -42,6 +47,7 @@ class ExpertBalanceState:
     next_due: int
     traffic: TrafficCounter = field(default_factory=TrafficCounter)
     counted: torch.Tensor | None = None
+    load_estimate: torch.Tensor | None = None  # [MoE layers, E] float64, smoothed
     view: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
     rebalances: int = 0
     experts_moved: int = 0
@@ -199,9 +205,18 @@ class ModelRunner:
         layers = [b.layer for b in blocks]
         loads = window[layers]
         if self.config.redundant_experts > 0:
+            # Placed on a smoothed load (each earlier window weighs LOAD_DECAY times the next,
+            # about the last four) and only for a clear gain: a noisy window of a few steps
+            # must not move gigabytes of weights back and forth.
+            smooth = loads.double()
+            if state.load_estimate is not None:
+                smooth += LOAD_DECAY * state.load_estimate
+            state.load_estimate = smooth
             previous = torch.stack([b.slots.slot_expert for b in blocks if b.slots is not None])
             before = eplb.imbalance(loads, previous, self.config.expert_parallel)
-            placement = eplb.rebalance(loads, self.config.expert_parallel, previous)
+            placement = eplb.rebalance(
+                smooth, self.config.expert_parallel, previous, min_gain=MIN_PLACEMENT_GAIN
+            )
             moved = sum(
                 b.replace_experts(eplb.SlotMap.of(placement[i], b.num_experts))
                 for i, b in enumerate(blocks)

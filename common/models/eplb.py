@@ -12,7 +12,7 @@ gets the same placement, so no placement is ever sent.
   free slot that does not yet hold that expert; the packs are then matched to the ranks and
   slots that held the same experts before, so that as few weights as possible move;
 - `rebalance`: both, per layer, keeping the previous placement of a layer unless the new one
-  lowers its busiest rank's load;
+  lowers its busiest rank's load by more than a margin;
 - `SlotMap`: one layer's placement as the dispatch uses it (slot → expert, expert → its
   slots), and `route`, which spreads an expert's (token, expert) pairs over its copies."""
 
@@ -136,10 +136,10 @@ def imbalance(loads: Tensor, slot_expert: Tensor, num_ranks: int) -> Tensor:
     return torch.where(mean > 0, ratio, torch.ones_like(ratio))
 
 
-def rebalance(loads: Tensor, num_ranks: int, previous: Tensor) -> Tensor:
+def rebalance(loads: Tensor, num_ranks: int, previous: Tensor, min_gain: float = 0.0) -> Tensor:
     """A new placement per layer: loads [L, E], previous [L, S] → [L, S]. A layer keeps its
     previous placement when it saw no tokens or the new one would not lower its busiest
-    rank's load."""
+    rank's load by more than `min_gain` of the mean rank load (moving weights costs)."""
     num_slots = previous.shape[-1]
     out = previous.clone()
     for layer in range(loads.shape[0]):
@@ -148,7 +148,8 @@ def rebalance(loads: Tensor, num_ranks: int, previous: Tensor) -> Tensor:
             continue
         copies = replicate(load, num_slots, max_copies=num_ranks)
         new = pack(load, copies, num_ranks, old)
-        if rank_loads(load, new, num_ranks).max() < rank_loads(load, old, num_ranks).max():
+        gain = rank_loads(load, old, num_ranks).max() - rank_loads(load, new, num_ranks).max()
+        if gain > max(0.0, min_gain * float(load.double().sum()) / num_ranks):
             out[layer] = new
     return out
 

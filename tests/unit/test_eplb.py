@@ -94,3 +94,11 @@ def test_slot_map_and_route():
     assert torch.equal(plain.route(ids, offset=1), ids)
     with pytest.raises(ValueError, match="at least one slot"):
         eplb.SlotMap.of(torch.tensor([0, 1, 1, 3]), 4)
+
+
+def test_a_small_gain_does_not_move_weights():
+    loads = torch.tensor([[12, 10, 10, 10, 10, 10, 10, 10]])
+    previous = torch.tensor([[0, 1, 2, 3, 5, 4, 5, 6, 7, 6]])  # ranks: 47 and 35 tokens
+    better = eplb.rebalance(loads, 2, previous)
+    assert eplb.rank_loads(loads, better, 2).max() < 47 - 0.1 * 41  # gains > 10% of the mean
+    assert torch.equal(eplb.rebalance(loads, 2, previous, min_gain=0.2), previous)
