@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,34 +23,13 @@ from transformers import AutoConfig, PretrainedConfig
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.models.attention import AttentionMetadata
-from pdserve.common.models.expert_parallel import TrafficCounter
+from pdserve.common.models.expert_balance import ExpertBalancer
 from pdserve.common.models.llama import LlamaForCausalLM
-from pdserve.common.models.moe import SparseMoeBlock
 from pdserve.common.request import Request
 from pdserve.common.sampler import Sampler, TokenLogprobs
 from pdserve.common.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
-
-# Expert re-placement: weight of a window's counts in the next one's load estimate, and the
-# least drop of the busiest rank's load (as a fraction of the mean) worth moving weights for.
-LOAD_DECAY = 0.75
-MIN_PLACEMENT_GAIN = 0.05
-
-
-@dataclass
-class ExpertBalanceState:
-    """Expert parallelism: when the next re-placement is due, the counts at the last
-    all-reduce, and what `expert_imbalance` reads (MoE layers, their group-wide loads of
-    the last window, the placement) — replaced in one assignment."""
-
-    next_due: int
-    traffic: TrafficCounter = field(default_factory=TrafficCounter)
-    counted: torch.Tensor | None = None
-    load_estimate: torch.Tensor | None = None  # [MoE layers, E] float64, smoothed
-    view: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
-    rebalances: int = 0
-    experts_moved: int = 0
 
 
 @dataclass
@@ -115,9 +94,9 @@ class ModelRunner:
             self.hf_config, load_state_dict(model_dir), self.dtype, self.device
         )
         self.num_forwards = 0  # model forwards so far (expert-parallel ranks keep in step)
-        self.expert_balance = ExpertBalanceState(next_due=config.eplb_interval)
         if config.expert_parallel > 1:
             self._shard_experts(config.expert_parallel)
+        self.expert_balance = ExpertBalancer(self.model.moe_blocks(), config)
         count = config.count_expert_tokens or config.redundant_experts > 0
         self.expert_counter = self.model.enable_expert_counting() if count else None
         self.num_blocks = num_kv_blocks(config, self.hf_config)
@@ -170,8 +149,6 @@ class ModelRunner:
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
         self.model.shard_experts(shard)
-        for block in blocks:
-            block.traffic = self.expert_balance.traffic
 
     def idle_step(self) -> None:
         """One model step without tokens: an expert-parallel rank with nothing to run still
@@ -181,87 +158,16 @@ class ModelRunner:
 
     def rebalance_experts_if_due(self) -> None:
         """Expert parallelism: every rank calls this once per lockstep iteration, after its
-        step (or idle step). Every `eplb_interval` forwards (equal on all ranks) the ranks
-        all-reduce the tokens their experts were routed since the last time and, with
-        redundant experts, all compute the same new placement (`eplb.rebalance`) and move
-        the expert weights that change rank. Between steps: no request or KV block is
-        touched. A no-op otherwise."""
-        state = self.expert_balance
-        if self.config.expert_parallel < 2 or self.expert_counter is None:
-            return
-        if self.num_forwards < state.next_due:
-            return
-        state.next_due = self.num_forwards + self.config.eplb_interval
-        import torch.distributed as dist
-
-        from pdserve.common.models import eplb
-
-        counts = self.expert_counter.counts.clone()
-        window = counts - state.counted if state.counted is not None else counts.clone()
-        state.counted = counts  # local: all_reduce below sums a separate tensor
-        dist.all_reduce(window)
-        window = window.cpu()
-        blocks = self.model.moe_blocks()
-        layers = [b.layer for b in blocks]
-        loads = window[layers]
-        if self.config.redundant_experts > 0:
-            # Placed on a smoothed load (each earlier window weighs LOAD_DECAY times the next,
-            # about the last four) and only for a clear gain: a noisy window of a few steps
-            # must not move gigabytes of weights back and forth.
-            smooth = loads.double()
-            if state.load_estimate is not None:
-                smooth += LOAD_DECAY * state.load_estimate
-            state.load_estimate = smooth
-            previous = torch.stack([b.slots.slot_expert for b in blocks if b.slots is not None])
-            before = eplb.imbalance(loads, previous, self.config.expert_parallel)
-            placement = eplb.rebalance(
-                smooth, self.config.expert_parallel, previous, min_gain=MIN_PLACEMENT_GAIN
-            )
-            moved = sum(
-                b.replace_experts(eplb.SlotMap.of(placement[i], b.num_experts))
-                for i, b in enumerate(blocks)
-            )
-            after = eplb.imbalance(loads, placement, self.config.expert_parallel)
-            state.rebalances += 1
-            state.experts_moved += moved
-            logger.info(
-                "expert placement %d at forward %d: %d expert copies moved between ranks; "
-                "imbalance on the last %d forwards' load %.3f -> %.3f (mean of MoE layers)",
-                state.rebalances, self.num_forwards, moved, self.config.eplb_interval,
-                float(before.mean()), float(after.mean()),
-            )  # fmt: skip
-        slot_expert = torch.stack([ModelRunner._slot_expert(b) for b in blocks])
-        state.view = (layers, loads, slot_expert)  # one assignment: readers see old or new
-
-    @staticmethod
-    def _slot_expert(block: SparseMoeBlock) -> torch.Tensor:
-        if block.slots is not None:
-            return block.slots.slot_expert
-        return torch.arange(block.num_experts)  # contiguous, no copies
+        step (or idle step); see `ExpertBalancer.after_step`."""
+        if self.config.expert_parallel > 1 and self.expert_counter is not None:
+            self.expert_balance.after_step(self.num_forwards, self.expert_counter.counts)
 
     def expert_imbalance(self) -> torch.Tensor | None:
-        """Per MoE layer, the busiest rank's routed tokens over the mean rank's, under the
-        current expert placement ([num_layers] float64; 1.0 for dense layers); None unless
-        counting is on for an MoE model. Under expert parallelism the counts are the whole
-        group's over the last `eplb_interval` forwards, as of the last all-reduce (local
-        counts before the first). Issues no collective (safe from any thread)."""
+        """Per layer, the busiest rank's routed tokens over the mean rank's under the current
+        expert placement ([num_layers] float64; 1.0 for dense layers); None unless counting
+        is on for an MoE model. Issues no collective (safe from any thread)."""
         counts = self.expert_token_counts()
-        if counts is None:
-            return None
-        from pdserve.common.models import eplb
-
-        ranks = self.config.expert_parallel
-        view = self.expert_balance.view
-        if view is None:
-            blocks = self.model.moe_blocks()
-            layers = [b.layer for b in blocks]
-            loads = counts[layers]
-            slot_expert = torch.stack([ModelRunner._slot_expert(b) for b in blocks])
-        else:
-            layers, loads, slot_expert = view
-        out = torch.ones(counts.shape[0], dtype=torch.float64)
-        out[layers] = eplb.imbalance(loads, slot_expert, ranks)
-        return out
+        return None if counts is None else self.expert_balance.imbalance(counts)
 
     def expert_token_counts(self) -> torch.Tensor | None:
         """Tokens routed to each expert of each layer so far, [num_layers, num_experts] on the
