@@ -29,6 +29,8 @@ IDLE_WAIT_S = 0.05  # how often an idle engine thread runs its housekeeping hook
 
 
 class EngineLoop:
+    stop_join_s = 10.0  # how long `stop` waits for the engine thread to end
+
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self._loop = loop
@@ -48,7 +50,7 @@ class EngineLoop:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self.stop_join_s)
 
     # ---- called from the event loop ----------------------------------------------------
 

@@ -30,15 +30,11 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = (0.005, 0.05)  # how often idle ranks check whether any has work: soon, later
 QUIET_AFTER_S = 1.0  # idle this long: poll at the slower rate
-STOP_JOIN_S = 60.0  # stopping waits for the other ranks to finish their streams too
 
 
 class LockstepEngineLoop(EngineLoop):
-    def stop(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
-        self._thread.join(timeout=STOP_JOIN_S)
+    # Stopping waits for the other ranks to finish their streams too.
+    stop_join_s = 60.0
 
     def _agree(self, busy: bool, stopping: bool, worked: bool) -> tuple[bool, bool, bool]:
         """(any rank busy, every rank stopping, any rank computed tokens last step)."""
