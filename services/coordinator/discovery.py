@@ -405,7 +405,7 @@ class KubernetesSliceSource:
                 )
                 responses.append(resp)
                 if stop.is_set():
-                    resp.shutdown()
+                    _shutdown(resp)
                 for line in _lines(resp.stream(65536)):
                     _deliver(loop, queue.put_nowait, ("event", json.loads(line)))
                 _deliver(loop, queue.put_nowait, ("end", None))
@@ -425,7 +425,7 @@ class KubernetesSliceSource:
         finally:
             stop.set()
             for resp in responses:
-                resp.shutdown()
+                _shutdown(resp)
 
     def _call(self, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException
@@ -574,3 +574,10 @@ def _check_roles(roles: set[str], flag: str) -> None:
             f"workers: give {flag.format('prefill')} and {flag.format('decode')}, "
             f"or {flag.format('colocated')}"
         )
+
+
+def _shutdown(resp: Any) -> None:
+    """End a watch's HTTP response; one whose stream already failed (a read timeout) has
+    handed its connection back to the pool, and urllib3 then refuses: nothing to end."""
+    with contextlib.suppress(RuntimeError):
+        resp.shutdown()
