@@ -82,6 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--expert-parallel",
         type=int,
+        metavar="N",
         default=int_env("expert_parallel", 1),
         help="mixture-of-experts models: run N rank processes, each holding num_experts/N "
         "experts and its own share of the requests (default: %(default)s)",
@@ -89,6 +90,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--redundant-experts",
         type=int,
+        metavar="K",
         default=int_env("redundant_experts", 0),
         help="with --expert-parallel: K extra expert slots that hold copies of the hottest "
         "experts, re-placed as the load shifts (default: %(default)s)",
@@ -96,6 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eplb-interval",
         type=int,
+        metavar="STEPS",
         default=int_env("eplb_interval", 64),
         help="model steps between two re-placements of the redundant experts "
         "(default: %(default)s)",
