@@ -24,6 +24,8 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.expert_balance import ExpertBalancer
+from pdserve.common.models.expert_parallel import ExpertShard
+from pdserve.common.models.families import family_for
 from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.request import Request
 from pdserve.common.sampler import Sampler, TokenLogprobs
@@ -90,12 +92,11 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(model_dir)
+        shard = self._expert_shard() if config.expert_parallel > 1 else None
         self.model = LlamaForCausalLM(
-            self.hf_config, load_state_dict(model_dir), self.dtype, self.device
+            self.hf_config, load_state_dict(model_dir), self.dtype, self.device, shard
         )
         self.num_forwards = 0  # model forwards so far (expert-parallel ranks keep in step)
-        if config.expert_parallel > 1:
-            self._shard_experts(config.expert_parallel)
         self.expert_balance = ExpertBalancer(self.model.moe_blocks(), config)
         count = config.count_expert_tokens or config.redundant_experts > 0
         self.expert_counter = self.model.enable_expert_counting() if count else None
@@ -129,26 +130,24 @@ class ModelRunner:
             f"head_dim={m.head_dim}/block={self.block_size}/{digest}"
         )
 
-    def _shard_experts(self, world_size: int) -> None:
-        """Keep this rank's share of every MoE layer's experts; the process already belongs
-        to its expert-parallel group (`expert_parallel.init_group`)."""
+    def _expert_shard(self) -> ExpertShard:
+        """This rank's share of every MoE layer's experts; the process already belongs to
+        its expert-parallel group (`expert_parallel.init_group`)."""
         import torch.distributed as dist
 
-        from pdserve.common.models.expert_parallel import ExpertShard
-
-        blocks = self.model.moe_blocks()
-        if not blocks:
+        world_size = self.config.expert_parallel
+        moe = family_for(self.hf_config).moe
+        if moe is None:
             raise ModelLoadError("expert_parallel: the model has no mixture-of-experts layers")
         if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise RuntimeError(f"expert_parallel={world_size} needs a process group of that size")
         try:
-            shard = ExpertShard(
-                dist.get_rank(), world_size, blocks[0].num_experts,
+            return ExpertShard(
+                dist.get_rank(), world_size, getattr(self.hf_config, moe.num_experts_attr),
                 redundant=self.config.redundant_experts,
             )  # fmt: skip
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
-        self.model.shard_experts(shard)
 
     def idle_step(self) -> None:
         """One model step without tokens: an expert-parallel rank with nothing to run still

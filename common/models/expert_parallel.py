@@ -79,13 +79,16 @@ class ExpertShard:
         slots = initial_slot_expert(self.num_experts, self.world_size, self.redundant)
         return SlotMap.of(slots, self.num_experts)
 
-    def local(self, stacked: Tensor, slots: SlotMap | None = None) -> Tensor:
-        """The experts in this rank's slots (default: the placement at load) of a stacked
-        [E, ...] weight, as its own copy (so the full tensor can be freed): [P, ...]."""
+    def local_experts(self, slots: SlotMap | None = None) -> Tensor:
+        """The expert in each of this rank's slots (default: the placement at load): [P]."""
         slots = slots or self.initial_slots()
         p = self.slots_per_rank
-        mine = slots.slot_expert[self.rank * p : (self.rank + 1) * p]
-        return stacked.index_select(0, mine.to(stacked.device))
+        return slots.slot_expert[self.rank * p : (self.rank + 1) * p]
+
+    def local(self, stacked: Tensor, slots: SlotMap | None = None) -> Tensor:
+        """The experts in this rank's slots of a stacked [E, ...] weight, as its own copy
+        (so the full tensor can be freed): [P, ...]."""
+        return stacked.index_select(0, self.local_experts(slots).to(stacked.device))
 
 
 @dataclass

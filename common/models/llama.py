@@ -51,7 +51,9 @@ class LlamaForCausalLM:
         state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device,
+        expert_shard: ExpertShard | None = None,
     ) -> None:
+        """`expert_shard`: expert parallelism; each MoE layer loads only this rank's experts."""
         self.family = family_for(config)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -66,8 +68,11 @@ class LlamaForCausalLM:
         clip = getattr(config, "clip_qkv", None) if self.family.clip_qkv else None
         self.clip_qkv: float | None = clip
 
-        def take(name: str) -> torch.Tensor:
-            return state_dict[name].to(device=device, dtype=dtype).contiguous()
+        def take(name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+            tensor = state_dict[name]
+            if rows is not None:  # only these rows leave the memory-mapped checkpoint
+                tensor = tensor.index_select(0, rows)
+            return tensor.to(device=device, dtype=dtype).contiguous()
 
         self.embed = take("model.embed_tokens.weight")
         self.lm_head = Linear(
@@ -99,7 +104,7 @@ class LlamaForCausalLM:
                         take(o_bias) if o_bias in state_dict else None,
                     ),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    mlp=load_mlp(config, self.family, i, take, state_dict),
+                    mlp=load_mlp(config, self.family, i, take, state_dict, expert_shard),
                     **qk_norms,
                 )
             )
@@ -177,14 +182,6 @@ class LlamaForCausalLM:
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [w.mlp for w in self.layers if isinstance(w.mlp, SparseMoeBlock)]
-
-    def shard_experts(self, shard: ExpertShard) -> None:
-        """Expert parallelism: keep only `shard`'s experts in every MoE layer."""
-        blocks = self.moe_blocks()
-        if not blocks:
-            raise ValueError("expert_parallel: the model has no mixture-of-experts layers")
-        for block in blocks:
-            block.shard_experts(shard)
 
     def enable_expert_counting(self) -> ExpertTokenCounter | None:
         """Count tokens per expert per layer from now on; None for a dense model."""

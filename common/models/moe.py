@@ -17,9 +17,9 @@ projection (how checkpoints are published), or stacked `experts.gate_up_proj` [E
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,7 +37,12 @@ from pdserve.common.models.linear import Linear
 from pdserve.kernels import fused_ops as fused
 from pdserve.kernels import moe as moe_kernels
 
-Take = Callable[[str], torch.Tensor]
+
+class Take(Protocol):
+    """A checkpoint tensor by name, on the model's device and dtype; `rows`: only these
+    rows of its first dimension (the rest never leave the memory-mapped checkpoint)."""
+
+    def __call__(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -80,7 +85,7 @@ class SparseMoeBlock:
     shared: DenseMlp | None = None
     shared_gate: Linear | None = None  # [1, H]
     counter: ExpertTokenCounter | None = None
-    # Expert parallelism: w13 / w2 hold only this rank's slots of `slots` (`shard_experts`).
+    # Expert parallelism: w13 / w2 hold only this rank's slots of `slots` (loaded so).
     shard: ExpertShard | None = None
     slots: SlotMap | None = None
     traffic: TrafficCounter | None = None
@@ -88,15 +93,6 @@ class SparseMoeBlock:
     @property
     def num_experts(self) -> int:
         return self.router.weight.out_features
-
-    def shard_experts(self, shard: ExpertShard) -> None:
-        """Keep only `shard`'s slots under the placement at load; from now on every call
-        exchanges rows with the other ranks, which must call in lockstep."""
-        if self.shard is not None or shard.num_experts != self.num_experts:
-            raise ValueError(f"layer {self.layer}: already sharded or wrong expert count")
-        slots = shard.initial_slots()
-        self.w13, self.w2 = shard.local(self.w13, slots), shard.local(self.w2, slots)
-        self.shard, self.slots = shard, slots
 
     def replace_experts(self, slots: SlotMap) -> int:
         """Move to placement `slots` (all ranks together, between steps); returns the expert
@@ -132,10 +128,16 @@ def load_dense_mlp(take: Take, prefix: str) -> DenseMlp:
 
 
 def load_mlp(
-    config: Any, family: ModelFamily, layer: int, take: Take, names: Mapping[str, object]
+    config: Any,
+    family: ModelFamily,
+    layer: int,
+    take: Take,
+    names: Mapping[str, object],
+    shard: ExpertShard | None = None,
 ) -> Mlp:
     """The feed-forward part of decoder layer `layer`; `names` is the state dict (for which
-    keys exist)."""
+    keys exist). With expert parallelism (`shard`) an MoE block loads only the experts of
+    this rank's slots: a rank never holds the whole expert set, not even while loading."""
     p = f"model.layers.{layer}."
     if not is_sparse_layer(config, family, layer):
         return load_dense_mlp(take, p + "mlp.")
@@ -143,7 +145,9 @@ def load_mlp(
     assert spec is not None
     block = p + spec.block + "."
     renormalize = spec.always_renormalize or bool(getattr(config, "norm_topk_prob", False))
-    w13, w2 = _load_experts(config, spec, block, take, names)
+    slots = shard.initial_slots() if shard is not None else None
+    experts = shard.local_experts(slots) if shard is not None else None
+    w13, w2 = _load_experts(config, spec, block, take, names, experts)
     moe = SparseMoeBlock(
         layer=layer,
         router=Router(
@@ -154,6 +158,8 @@ def load_mlp(
         ),
         w13=w13,
         w2=w2,
+        shard=shard,
+        slots=slots,
     )
     if spec.shared_expert:
         moe.shared = load_dense_mlp(take, block + "shared_expert.")
@@ -162,30 +168,40 @@ def load_mlp(
 
 
 def _load_experts(
-    config: Any, spec: MoeSpec, block: str, take: Take, names: Mapping[str, object]
+    config: Any,
+    spec: MoeSpec,
+    block: str,
+    take: Take,
+    names: Mapping[str, object],
+    experts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[X, 2I, H] and [X, H, I] for the experts `experts` (in that order; None: all E)."""
     num_experts = getattr(config, spec.num_experts_attr)
     stacked = block + "experts.gate_up_proj"
     if stacked in names:
-        w13, w2 = take(stacked), take(block + "experts.down_proj")
+        down = block + "experts.down_proj"
+        if experts is None:
+            w13, w2 = take(stacked), take(down)
+        else:
+            w13, w2 = take(stacked, experts), take(down, experts)
     else:
         e = block + "experts.{}."
         missing = e.format(0) + spec.gate_name + ".weight"
         if missing not in names:
             raise ModelLoadError(f"model: weights of {block}experts not found (no {missing})")
+        ids = range(num_experts) if experts is None else experts.tolist()
         w13 = torch.stack([
             torch.cat([take(e.format(i) + f"{spec.gate_name}.weight"),
                        take(e.format(i) + f"{spec.up_name}.weight")])
-            for i in range(num_experts)
+            for i in ids
         ])  # fmt: skip
-        w2 = torch.stack(
-            [take(e.format(i) + f"{spec.down_name}.weight") for i in range(num_experts)]
-        )
+        w2 = torch.stack([take(e.format(i) + f"{spec.down_name}.weight") for i in ids])
     inter = getattr(config, spec.intermediate_attr)
-    expected = (num_experts, 2 * inter, config.hidden_size)
-    if tuple(w13.shape) != expected or tuple(w2.shape) != (num_experts, config.hidden_size, inter):
+    count = num_experts if experts is None else len(experts)
+    expected = (count, 2 * inter, config.hidden_size)
+    if tuple(w13.shape) != expected or tuple(w2.shape) != (count, config.hidden_size, inter):
         raise ModelLoadError(
             f"model: {block}experts has shape {tuple(w13.shape)} / {tuple(w2.shape)}, "
-            f"expected {expected} / {(num_experts, config.hidden_size, inter)} from the config"
+            f"expected {expected} / {(count, config.hidden_size, inter)} from the config"
         )
     return w13.contiguous(), w2.contiguous()

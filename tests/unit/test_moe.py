@@ -187,3 +187,45 @@ def test_unsupported_moe_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ModelLoadError, match=r"mixture-of-experts .*DeepseekV3.*Mixtral"):
         resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+def test_an_expert_parallel_rank_loads_only_its_own_experts(layout):
+    """Rank 1 of 2 (8 experts, 2 redundant slots): the block holds exactly its slots'
+    experts, and no other expert's weights were ever taken from the checkpoint."""
+    from pdserve.common.models.expert_parallel import ExpertShard
+
+    config = _tiny_config("mixtral")
+    ref = _reference_block(config)
+    prefix = "model.layers.0.block_sparse_moe."
+    stacked = {prefix + k: v for k, v in ref.state_dict().items()}
+    w13_all = stacked[prefix + "experts.gate_up_proj"]
+    w2_all = stacked[prefix + "experts.down_proj"]
+    state = dict(stacked)
+    if layout == "per_expert":  # as Mixtral checkpoints are published: w1 (gate), w3 (up), w2
+        inter = config.intermediate_size
+        for key in (prefix + "experts.gate_up_proj", prefix + "experts.down_proj"):
+            del state[key]
+        for e in range(config.num_local_experts):
+            state[prefix + f"experts.{e}.w1.weight"] = w13_all[e, :inter]
+            state[prefix + f"experts.{e}.w3.weight"] = w13_all[e, inter:]
+            state[prefix + f"experts.{e}.w2.weight"] = w2_all[e]
+    taken: list[tuple[str, list[int] | None]] = []
+
+    def take(name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        taken.append((name, None if rows is None else rows.tolist()))
+        tensor = state[name]
+        return (tensor if rows is None else tensor.index_select(0, rows)).contiguous()
+
+    shard = ExpertShard(rank=1, world_size=2, num_experts=8, redundant=2)
+    block = load_mlp(config, family_for(config), 0, take, state, shard)
+    assert isinstance(block, SparseMoeBlock) and block.shard is shard
+    mine = shard.local_experts(block.slots).tolist()
+    assert len(mine) == 5  # (8 + 2) / 2 slots
+    assert torch.equal(block.w13, w13_all[mine]) and torch.equal(block.w2, w2_all[mine])
+    expert_keys = [(n, rows) for n, rows in taken if ".experts" in n]
+    if layout == "stacked":
+        assert all(rows == mine for _, rows in expert_keys), expert_keys
+    else:
+        loaded = {int(n.split("experts.")[1].split(".")[0]) for n, _ in expert_keys}
+        assert loaded == set(mine), f"took experts {sorted(loaded)}, holds {mine}"
