@@ -24,6 +24,11 @@ from torch import Tensor
 
 from pdserve.kernels import reference
 from pdserve.kernels.fused_ops import silu_and_mul
+from pdserve.kernels.invariant_gemm import PackedStack
+
+# A layer's expert weights: the stacked tensor [E, N, K], or the same packed for the
+# batch-invariant CPU kernel (what the model runner loads on CPU).
+Experts = Tensor | PackedStack
 
 BACKEND_ENV = "PDSERVE_MOE_BACKEND"
 
@@ -44,8 +49,12 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> ExpertOrder:
     return ExpertOrder(order, order // topk_ids.shape[1], counts)
 
 
+def _expert_linear(x: Tensor, w: Experts, e: int) -> Tensor:
+    return w.linear(e, x) if isinstance(w, PackedStack) else F.linear(x, w[e])
+
+
 def expert_mlps(
-    rows: Tensor, counts: list[int], w13: Tensor, w2: Tensor, first_expert: int = 0
+    rows: Tensor, counts: list[int], w13: Experts, w2: Experts, first_expert: int = 0
 ) -> Tensor:
     """Run rows [N, H], grouped by expert (`counts[i]` rows for expert `first_expert + i`),
     through their expert's gated MLP: down(silu(gate(x)) * up(x)). w13 [E, 2I, H] holds
@@ -57,7 +66,8 @@ def expert_mlps(
             continue
         end = start + n
         e = first_expert + i
-        out[start:end] = F.linear(silu_and_mul(F.linear(rows[start:end], w13[e])), w2[e])
+        gate_up = _expert_linear(rows[start:end], w13, e)
+        out[start:end] = _expert_linear(silu_and_mul(gate_up), w2, e)
         start = end
     return out
 
@@ -72,11 +82,16 @@ def combine(
     weighted = (expert_out * weights).to(expert_out.dtype)
     unsorted = torch.empty_like(weighted)
     unsorted[sorted_.order] = weighted
-    return unsorted.view(num_tokens, top_k, expert_out.shape[-1]).sum(dim=1)
+    # Summed k = 0, 1, ... in that order for every token, whatever the batch.
+    per_token = unsorted.view(num_tokens, top_k, expert_out.shape[-1])
+    out = per_token[:, 0].clone()
+    for k in range(1, top_k):
+        out += per_token[:, k]
+    return out
 
 
 def fused_experts(
-    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    x: Tensor, w13: Experts, w2: Experts, topk_weights: Tensor, topk_ids: Tensor
 ) -> Tensor:
     """x [T, H]; topk_weights / topk_ids [T, K] → Σ_k weight · expert_k(x), [T, H]."""
     num_tokens = x.shape[0]
@@ -87,7 +102,7 @@ def fused_experts(
     return combine(expert_mlps(rows, sorted_.counts, w13, w2), sorted_, topk_weights, num_tokens)
 
 
-def experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def experts(x: Tensor, w13: Experts, w2: Experts, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
     """The entry point the model calls: the fused path unless the reference is forced."""
     if os.environ.get(BACKEND_ENV, "fused") == "reference":
         return reference.moe_experts(x, w13, w2, topk_weights, topk_ids).to(x.dtype)

@@ -1,18 +1,17 @@
 """Dense layers of the model runner: `y = x Wᵀ + b`, with the weight prepared once at load
-time in the fastest layout for its device.
+time in the layout its kernel streams.
 
-On CPU in bfloat16/float16 the weight is reordered once into oneDNN's blocked layout: the
-same arithmetic (bit-identical results) at 20–30% more GFLOP/s for decode-sized batches than
-`F.linear` on a plain weight, which re-packs on every call. On CPU in float32, decode-sized
-batches (up to 16 rows) go to `kernels/skinny_linear` (weights read once at near the memory
-bandwidth: 2-3x `F.linear` for 1-4 rows here); larger ones, GPUs and CPUs without oneDNN's
-bf16 support (AVX2-only) use `F.linear`. `PDSERVE_PACKED_LINEAR=0` turns packing off
-(for comparisons).
+On CPU every dense layer (q/k/v, o_proj, the MLPs, the router, lm_head) goes through
+`kernels/invariant_gemm` by default: a row's result is bit-identical whatever the batch
+size, the other rows, the row's place in a prefill chunk or a decode step, and the thread
+count (docs/engine.md, "Determinism"). So a request's tokens, and a seeded request's
+samples, are the same offline, colocated, disaggregated and after failover.
 
-Batch invariance: every row is computed the same way whatever the batch size, except that
-oneDNN reduces a lone row differently; on CPU a one-row input is therefore padded to two.
-So a request's numbers, and a seeded request's samples, do not depend on what else is in its
-batch."""
+`PDSERVE_BATCH_INVARIANT=0` gives the GEMM library's fastest path instead (for
+comparisons): in bfloat16/float16 the weight reordered once into oneDNN's blocked layout,
+in float32 `kernels/skinny_linear` for up to 16 rows and `F.linear` past that. oneDNN picks
+its kernel by the number of rows (with AMX, rows differ at the last bit between batch
+sizes), so that path is not batch-invariant. GPUs use `F.linear`."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import invariant_gemm
 from pdserve.kernels import skinny_linear as skinny
 
 
@@ -56,6 +56,13 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        # The invariant kernel's path ("amx", "avx512_bf16", "avx512", "avx2"), or None.
+        self.path = invariant_gemm.path_for(weight)
+        if self.path is not None:
+            self.packed = False
+            self.weight = invariant_gemm.pack(weight)
+            self.bias = None if bias is None else bias.float()
+            return
         self.packed = _can_pack(weight)
         self.weight = (
             torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_FOR_BATCH)
@@ -64,6 +71,8 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path is not None:
+            return invariant_gemm.gemm(x, self.weight, self.out_features, self.bias, self.path)
         if not self.packed and skinny.serves(x, self.weight):
             y = skinny.skinny_linear(x, self.weight, self.bias)
             if y is not None:

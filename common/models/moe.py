@@ -35,7 +35,10 @@ from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import ModelFamily, MoeSpec, is_sparse_layer
 from pdserve.common.models.linear import Linear
 from pdserve.kernels import fused_ops as fused
+from pdserve.kernels import invariant_gemm
 from pdserve.kernels import moe as moe_kernels
+from pdserve.kernels.invariant_gemm import PackedStack
+from pdserve.kernels.moe import Experts
 
 
 class Take(Protocol):
@@ -80,8 +83,8 @@ class Router:
 class SparseMoeBlock:
     layer: int
     router: Router
-    w13: torch.Tensor  # [E, 2I, H]: each expert's gate then up projection
-    w2: torch.Tensor  # [E, H, I]: each expert's down projection
+    w13: Experts  # [E, 2I, H]: each expert's gate then up projection
+    w2: Experts  # [E, H, I]: each expert's down projection
     shared: DenseMlp | None = None
     shared_gate: Linear | None = None  # [1, H]
     counter: ExpertTokenCounter | None = None
@@ -98,7 +101,10 @@ class SparseMoeBlock:
         """Move to placement `slots` (all ranks together, between steps); returns the expert
         copies that crossed ranks."""
         assert self.shard is not None and self.slots is not None
-        self.w13, self.w2, moved = move_experts(self.w13, self.w2, self.slots, slots, self.shard)
+        w13, w2, moved = move_experts(
+            _data(self.w13), _data(self.w2), self.slots, slots, self.shard
+        )
+        self.w13, self.w2 = _rewrap(self.w13, w13), _rewrap(self.w2, w2)
         self.slots = slots
         return moved
 
@@ -119,6 +125,20 @@ class SparseMoeBlock:
 
 
 Mlp = DenseMlp | SparseMoeBlock
+
+
+def _pack_experts(weights: torch.Tensor) -> Experts:
+    """On CPU the experts are packed for the batch-invariant kernel, like every Linear."""
+    path = invariant_gemm.path_for(weights)
+    return weights if path is None else PackedStack.of(weights, path)
+
+
+def _data(w: Experts) -> torch.Tensor:
+    return w.data if isinstance(w, PackedStack) else w
+
+
+def _rewrap(old: Experts, data: torch.Tensor) -> Experts:
+    return old.with_data(data) if isinstance(old, PackedStack) else data
 
 
 def load_dense_mlp(take: Take, prefix: str) -> DenseMlp:
@@ -156,8 +176,8 @@ def load_mlp(
             renormalize=renormalize,
             cast_weights=spec.cast_weights,
         ),
-        w13=w13,
-        w2=w2,
+        w13=_pack_experts(w13),
+        w2=_pack_experts(w2),
         shard=shard,
         slots=slots,
     )

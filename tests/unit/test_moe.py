@@ -14,6 +14,7 @@ from pdserve.common.models.families import FAMILIES, family_for
 from pdserve.common.models.moe import SparseMoeBlock, load_mlp
 from pdserve.kernels import moe as moe_kernels
 from pdserve.kernels import reference
+from pdserve.kernels.invariant_gemm import PackedStack
 
 
 def _random_experts(num_tokens, hidden, inter, num_experts, top_k, dtype, seed, skew=False):
@@ -222,7 +223,8 @@ def test_an_expert_parallel_rank_loads_only_its_own_experts(layout):
     assert isinstance(block, SparseMoeBlock) and block.shard is shard
     mine = shard.local_experts(block.slots).tolist()
     assert len(mine) == 5  # (8 + 2) / 2 slots
-    assert torch.equal(block.w13, w13_all[mine]) and torch.equal(block.w2, w2_all[mine])
+    w13, w2 = (w.unpacked() if isinstance(w, PackedStack) else w for w in (block.w13, block.w2))
+    assert torch.equal(w13, w13_all[mine]) and torch.equal(w2, w2_all[mine])
     expert_keys = [(n, rows) for n, rows in taken if ".experts" in n]
     if layout == "stacked":
         assert all(rows == mine for _, rows in expert_keys), expert_keys
