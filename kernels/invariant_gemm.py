@@ -13,8 +13,8 @@ The instruction-set path is chosen once per process from the CPU's flags, capped
 * `avx512`, `avx2` — float32 accumulation with FMA; bf16/fp16 weights are widened exactly, so
   these two give the same bits as each other for a given dtype.
 
-Weights are packed once (`pack`) into the layout the kernel streams; `reference` is the naive
-product the tests compare against."""
+Weights are packed once (`pack`) into the layout the kernel streams; `reference.linear` is
+the naive product the tests compare against."""
 
 from __future__ import annotations
 
@@ -194,14 +194,6 @@ def gemm(
     ext = load()
     assert ext is not None, "path_for() returned a path, so the extension is built"
     return ext.invariant_gemm(x, packed, n, bias, PATHS.index(path))
-
-
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The naive product in float64, rounded once to x's dtype."""
-    y = x.double() @ weight.double().t()
-    if bias is not None:
-        y = y + bias.double()
-    return y.to(x.dtype)
 
 
 if __name__ == "__main__":

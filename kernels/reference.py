@@ -131,6 +131,14 @@ def prefill_attention(
     return out
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias) in float64, rounded once to x's dtype."""
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
 def moe_experts(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
 ) -> Tensor:

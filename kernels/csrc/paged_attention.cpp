@@ -13,7 +13,14 @@
 // Decode (one row per sequence; bound by reading K/V from DRAM): one work item is a
 // sequence, all its heads, so that each block's K tile and V tile (block_size x KVH x D,
 // contiguous: 6 KB at SmolLM2 shapes) are read whole, in turn, with software prefetching
-// ahead; long contexts of small batches are split across threads (split-K).
+// ahead; a batch smaller than the thread count is split by kv head instead.
+//
+// Batch and chunk invariance: a query row's output is the same bits in a decode step and
+// in a prefill chunk, whatever else is in the batch. Both walk the row's context block by
+// block in order with the same score kernel (a key's score does not depend on how many keys
+// one call scores), the same two-pass softmax over exactly the row's context, and the same
+// value kernel (keys past the row's context add exact zeros). The context is never split
+// across threads (no split-K: its merge would round differently from the unsplit sum).
 // The SIMD kernels live in paged_attention_simd.h.
 
 #include <ATen/Parallel.h>
@@ -63,18 +70,19 @@ inline void store_scaled_row(T* dst, const float* acc, float inv, int D) {
 }
 
 // The bf16-dot value pass reads the probabilities as bf16 pairs: convert R rows of n scores.
+// Rows land at offset `at` of sc.pb (the same place as their scores in sc.scores).
 template <typename T>
 inline void probs_to_bf16(const Kernels<T>& kern, Scratch<T>& sc, const float* scores, int R,
-                          int64_t ld, int n) {
+                          int64_t ld, int n, int64_t at = 0) {
 #if defined(__AVX512BF16__)
   if constexpr (Kernels<T>::kDot)
     if (kern.bf16_dot) {
-      sc.pb.resize(static_cast<size_t>(R) * ld + 32);  // a pair read may pass the end
+      sc.pb.resize(std::max(sc.pb.size(), static_cast<size_t>(at + R * ld + 32)));
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < n; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[r * ld + j]);
+        for (int j = 0; j < n; j += 32) to_bf16_32(scores + r * ld + j, &sc.pb[at + r * ld + j]);
     }
 #else
-  (void)kern, (void)sc, (void)scores, (void)R, (void)ld, (void)n;
+  (void)kern, (void)sc, (void)scores, (void)R, (void)ld, (void)n, (void)at;
 #endif
 }
 
@@ -151,17 +159,9 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
 }
 
 // ------------------------------------------------------------------------ decode
-// Decode item: tokens [j0, j1) (j0 block-aligned) of sequence `seq`'s context, for all its
-// query heads. part < 0: the whole context, the result goes straight to `out`; otherwise
-// the unnormalised partial sums go to slot `part` of the split-K buffers.
+// Decode item: the whole context of sequence `seq` for its kv heads [h0, h1).
 struct DecodeItem {
-  int32_t seq, j0, j1, part;
-};
-
-// Split-K partials: acc [parts, H, D] (sum_t e^(scale (s_t - m)) v_t), m and l [parts, H]
-// (the max raw score and sum_t e^(scale (s_t - m))).
-struct Partials {
-  std::vector<float> acc, m, l;
+  int32_t seq, len, h0, h1;
 };
 
 // Lines [l0, l1) (64 bytes each) from p on, prefetched into L2.
@@ -182,18 +182,19 @@ inline void prefetch_lines(const void* p, int64_t l0, int64_t l1) {
 // together: worse; distances 1-16: all about the same.
 constexpr int kPrefetchTiles = 2;
 
-// One decode item. Walks the item's blocks in table order; inside a block, every kv head's
-// G queries score (pass 0) or weight (pass 1) that head's rows, so each block's K tile, then
-// its V tile, is consumed whole (block_size x KVH x D, contiguous), while the tile
-// kPrefetchTiles ahead is prefetched a kv head's share at a time. Returns false on a block
-// id outside the cache.
+// One decode item. Walks the context's blocks in table order; inside a block, every kv
+// head's G queries score (pass 0) or weight (pass 1) that head's rows, so each block's K
+// tile, then its V tile, is consumed whole (block_size x KVH x D, contiguous), while the
+// tile kPrefetchTiles ahead is prefetched a kv head's share at a time. Returns false on a
+// block id outside the cache.
 template <typename T>
 bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, const T* query,
-                T* out, const int32_t* table, const DecodeItem& it, Scratch<T>& sc, Partials& pt) {
+                T* out, const int32_t* table, const DecodeItem& it, Scratch<T>& sc) {
   const int D = static_cast<int>(geo.head_dim), G = static_cast<int>(geo.group);
-  const int BS = static_cast<int>(geo.block_size), KVH = static_cast<int>(geo.num_kv_heads);
+  const int BS = static_cast<int>(geo.block_size);
   const int R = static_cast<int>(geo.num_heads);
-  const int n_tok = it.j1 - it.j0;
+  const int n_tok = it.len;
+  const int r_begin = it.h0 * G, r_end = it.h1 * G;
   const int64_t ld = (n_tok + 31) & ~int64_t{31};
   const size_t qsize = static_cast<size_t>(R) * D;
   sc.qraw.resize(qsize);
@@ -205,30 +206,30 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
   if (!kern.bf16_dot)
     for (size_t e = 0; e < qsize; ++e) sc.qf[e] = static_cast<float>(sc.qraw[e]);
 
-  const int b0 = it.j0 / BS, b1 = (it.j1 + BS - 1) / BS, nb = b1 - b0;
-  for (int b = b0; b < b1; ++b)
+  const int nb = (n_tok + BS - 1) / BS;
+  for (int b = 0; b < nb; ++b)
     if (table[b] < 0 || table[b] >= geo.num_blocks) return false;
   const T* layer_base = cache + geo.layer_offset;
   float* scores = sc.scores.data();
 
-  // Tile i of the item: the K tile of block b0 + i for i < nb, then the V tile of b0 + i - nb.
+  // Tile i of the item: the K tile of block i for i < nb, then the V tile of block i - nb.
   const int64_t tile_lines = (geo.value_offset * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int heads = it.h1 - it.h0;
   auto prefetch = [&](int i, int part, int parts) {
     if (i >= 2 * nb) return;
-    const T* p = layer_base + table[b0 + i % nb] * geo.block_stride +
-                 (i < nb ? 0 : geo.value_offset);
+    const T* p = layer_base + table[i % nb] * geo.block_stride + (i < nb ? 0 : geo.value_offset);
     prefetch_lines(p, tile_lines * part / parts, tile_lines * (part + 1) / parts);
   };
   for (int i = 0; i < kPrefetchTiles; ++i) prefetch(i, 0, 1);
 
   for (int pass = 0; pass < 2; ++pass) {
     const int64_t kv_off = pass == 0 ? 0 : geo.value_offset;
-    for (int b = b0; b < b1; ++b) {
-      const int jt = b * BS - it.j0;  // the block's first token, item-relative
-      const int n = std::min(BS, it.j1 - b * BS);
+    for (int b = 0; b < nb; ++b) {
+      const int jt = b * BS;
+      const int n = std::min(BS, n_tok - jt);
       const T* blk = layer_base + table[b] * geo.block_stride + kv_off;
-      for (int h = 0; h < KVH; ++h) {
-        prefetch(pass * nb + b - b0 + kPrefetchTiles, h, KVH);
+      for (int h = it.h0; h < it.h1; ++h) {
+        prefetch(pass * nb + b + kPrefetchTiles, h - it.h0, heads);
         const T* rows = blk + h * D;
         const int r0 = h * G;
         if (pass == 0) {
@@ -244,75 +245,45 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
       }
     }
     if (pass == 1) break;
-    if (it.part < 0) {
-      for (int r = 0; r < R; ++r)
-        sc.inv[r] = softmax_row(scores + r * ld, n_tok, n_tok, geo.scale);
-    } else {
-      float* m = pt.m.data() + static_cast<size_t>(it.part) * R;
-      float* l = pt.l.data() + static_cast<size_t>(it.part) * R;
-      for (int r = 0; r < R; ++r) {
-        sc.inv[r] = softmax_row(scores + r * ld, n_tok, n_tok, geo.scale, &m[r]);
-        l[r] = 1.f / sc.inv[r];
-      }
-    }
-    probs_to_bf16(kern, sc, scores, R, ld, n_tok);
+    for (int r = r_begin; r < r_end; ++r)
+      sc.inv[r] = softmax_row(scores + r * ld, n_tok, n_tok, geo.scale);
+    probs_to_bf16(kern, sc, scores + r_begin * ld, r_end - r_begin, ld, n_tok, r_begin * ld);
   }
 #if defined(__AVX512BF16__)
-  if (kern.bf16_dot) unpermute_bf16(sc.acc.data(), static_cast<int>(qsize));
+  if (kern.bf16_dot)
+    unpermute_bf16(sc.acc.data() + static_cast<size_t>(r_begin) * D, (r_end - r_begin) * D);
 #endif
 
-  if (it.part >= 0) {
-    std::memcpy(pt.acc.data() + static_cast<size_t>(it.part) * qsize, sc.acc.data(),
-                sizeof(float) * qsize);
-    return true;
-  }
   T* dst = out + static_cast<int64_t>(it.seq) * R * D;
-  for (int r = 0; r < R; ++r)
+  for (int r = r_begin; r < r_end; ++r)
     store_scaled_row(dst + r * D, sc.acc.data() + static_cast<size_t>(r) * D, sc.inv[r], D);
   return true;
 }
 
-// Decode: one item per sequence (all its heads), longest first. When a few sequences hold
-// most of the tokens (say batch 1-2 at context 4096), a sequence longer than twice the
-// chunk (about 1/(4 x threads) of all tokens, at least kMinChunk) is split into equal
-// block-aligned parts (split-K) whose partial softmax sums are merged at the end.
+// Decode: one item per sequence (all its heads), longest first; a batch smaller than the
+// thread count is split by kv head so every thread has work (heads are independent, so
+// this changes no bit of the result).
 template <typename T>
 void decode_impl(const Geometry& geo, const torch::Tensor& query, const torch::Tensor& kv_cache,
                  torch::Tensor& out, const int32_t* tables, const int32_t* seq_lens,
                  int64_t num_seqs) {
   const Kernels<T> kern(geo.head_dim);
   const int64_t threads = std::max(1, at::get_num_threads());
-  constexpr int64_t kMinChunk = 256;
-  int64_t total = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) total += seq_lens[s];
-  const int64_t chunk = std::max(kMinChunk, (total + 4 * threads - 1) / (4 * threads));
+  const int32_t kvh = static_cast<int32_t>(geo.num_kv_heads);
+  const bool by_head = num_seqs < threads && kvh > 1;
   std::vector<DecodeItem> items;
-  std::vector<int64_t> split_seqs, first_part{0};
-  int32_t parts = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = seq_lens[s];
-    if (threads == 1 || len <= 2 * chunk) {
-      items.push_back({static_cast<int32_t>(s), 0, static_cast<int32_t>(len), -1});
+    const auto seq = static_cast<int32_t>(s);
+    if (!by_head) {
+      items.push_back({seq, seq_lens[s], 0, kvh});
       continue;
     }
-    const int64_t n = (len + chunk - 1) / chunk;
-    const int64_t step = ((len + n - 1) / n + geo.block_size - 1) / geo.block_size * geo.block_size;
-    for (int64_t j0 = 0; j0 < len; j0 += step)
-      items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(j0),
-                       static_cast<int32_t>(std::min(len, j0 + step)), parts++});
-    split_seqs.push_back(s);
-    first_part.push_back(parts);
+    for (int32_t h = 0; h < kvh; ++h) items.push_back({seq, seq_lens[s], h, h + 1});
   }
   // Longest first, then handed out one at a time: balances ragged batches across threads.
   std::stable_sort(items.begin(), items.end(), [](const DecodeItem& a, const DecodeItem& b) {
-    return a.j1 - a.j0 > b.j1 - b.j0;
+    return a.len * (a.h1 - a.h0) > b.len * (b.h1 - b.h0);
   });
-  const int64_t H = geo.num_heads, D = geo.head_dim;
-  Partials pt;
-  pt.acc.resize(static_cast<size_t>(parts) * H * D);
-  pt.m.resize(static_cast<size_t>(parts) * H);
-  pt.l.resize(static_cast<size_t>(parts) * H);
-
   const int64_t num_items = static_cast<int64_t>(items.size());
   const T* cache = kv_cache.data_ptr<T>();
   const T* q = query.data_ptr<T>();
@@ -324,30 +295,11 @@ void decode_impl(const Geometry& geo, const torch::Tensor& query, const torch::T
     static thread_local Scratch<T> sc;  // kept across calls: no allocation per step
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const DecodeItem& it = items[i];
-      if (!run_decode<T>(geo, kern, cache, q, o, tables + it.seq * geo.table_stride, it, sc, pt))
+      if (!run_decode<T>(geo, kern, cache, q, o, tables + it.seq * geo.table_stride, it, sc))
         bad = true;
     }
   });
   TORCH_CHECK(!bad, "paged_attention: block table entry outside the cache");
-
-  // out = sum_p w_p acc_p / sum_p w_p l_p with w_p = e^(scale (m_p - max_p m_p)).
-  std::vector<float> num(D);
-  for (size_t k = 0; k < split_seqs.size(); ++k) {
-    T* dst = o + split_seqs[k] * H * D;
-    for (int64_t r = 0; r < H; ++r) {
-      float mx = -std::numeric_limits<float>::infinity(), den = 0.f;
-      for (int64_t p = first_part[k]; p < first_part[k + 1]; ++p)
-        mx = std::max(mx, pt.m[p * H + r]);
-      std::fill(num.begin(), num.end(), 0.f);
-      for (int64_t p = first_part[k]; p < first_part[k + 1]; ++p) {
-        const float w = std::exp(geo.scale * (pt.m[p * H + r] - mx));
-        den += w * pt.l[p * H + r];
-        const float* a = pt.acc.data() + (p * H + r) * D;
-        for (int64_t d = 0; d < D; ++d) num[d] += w * a[d];
-      }
-      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<T>(num[d] / den);
-    }
-  }
 }
 
 template <typename T>

@@ -88,14 +88,25 @@ inline void qk_vec(const float* qf, const T* k, int64_t kstride, int n, float* s
       }
       _mm512_storeu_ps(s + q * ld + t, sum16x16(acc));
     }
-  for (; t < n; ++t, k += kstride) {
-    __m512 kf[NC];
-    for (int c = 0; c < NC; ++c) kf[c] = load16(k + 16 * c);
+  // The last < 16 keys go through the same transpose-and-add tree (absent keys as zero
+  // vectors): a key's score is then the same whether it falls in a full group of 16 or in
+  // the tail, i.e. whatever the number of keys this call scores (decode vs prefill chunk).
+  if (t < n) {
+    const int rem = n - t;
+    const __mmask16 mask = static_cast<__mmask16>((1u << rem) - 1);
     for (int q = 0; q < NQ; ++q) {
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + q * D), kf[0]);
-      for (int c = 1; c < NC; ++c)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q * D + 16 * c), kf[c], acc);
-      s[q * ld + t] = _mm512_reduce_add_ps(acc);
+      __m512 acc[16];
+      for (int u = 0; u < 16; ++u) {
+        if (u >= rem) {
+          acc[u] = _mm512_setzero_ps();
+          continue;
+        }
+        acc[u] = _mm512_mul_ps(_mm512_loadu_ps(qf + q * D), load16(k + u * kstride));
+        for (int c = 1; c < NC; ++c)
+          acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q * D + 16 * c),
+                                   load16(k + u * kstride + 16 * c), acc[u]);
+      }
+      _mm512_mask_storeu_ps(s + q * ld + t, mask, sum16x16(acc));
     }
   }
 }
@@ -121,15 +132,21 @@ inline void qk_bf16(const c10::BFloat16* qr, const c10::BFloat16* k, int64_t kst
       }
       _mm512_storeu_ps(s + q * ld + t, sum16x16(acc));
     }
-  for (; t < n; ++t, k += kstride) {
-    __m512i kr[NP];
-    for (int c = 0; c < NP; ++c) kr[c] = _mm512_loadu_si512(k + 32 * c);
+  if (t < n) {  // the tail through the same tree (see qk_vec)
+    const int rem = n - t;
+    const __mmask16 mask = static_cast<__mmask16>((1u << rem) - 1);
     for (int q = 0; q < NQ; ++q) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < NP; ++c)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qr + q * D + 32 * c),
-                               (__m512bh)kr[c]);
-      s[q * ld + t] = _mm512_reduce_add_ps(acc);
+      __m512bh qv[NP];
+      for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + q * D + 32 * c);
+      __m512 acc[16];
+      for (int u = 0; u < 16; ++u) {
+        acc[u] = _mm512_setzero_ps();
+        if (u >= rem) continue;
+        for (int c = 0; c < NP; ++c)
+          acc[u] = _mm512_dpbf16_ps(acc[u], qv[c],
+                                    (__m512bh)_mm512_loadu_si512(k + u * kstride + 32 * c));
+      }
+      _mm512_mask_storeu_ps(s + q * ld + t, mask, sum16x16(acc));
     }
   }
 }
