@@ -49,6 +49,7 @@ $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	$(PY) -m pdserve.kernels.cpu_extension
 	$(PY) -m pdserve.kernels.fused_ops
 	$(PY) -m pdserve.kernels.skinny_linear
+	$(PY) -m pdserve.kernels.invariant_gemm
 	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
 	touch $(STAMP)
 
@@ -88,6 +89,7 @@ serve: install
 	$(VENV)/bin/pdserve serve
 
 test: lint
+	@echo "host: $$($(PY) -m pdserve.kernels.invariant_gemm --describe)"
 	$(PY) -m pytest -q
 
 lint: install

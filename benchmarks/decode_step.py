@@ -1,10 +1,12 @@
-"""What a decode step costs, and what its matmuls cost: the engine's step time at several
-batch sizes (with and without `kernels/skinny_linear`, side by side in one run), and the 120
-linear layers of SmolLM2 (30 layers x qkv, o, gate/up, down) at decode-sized row counts by
-`F.linear` and by the skinny kernel, with the weight bandwidth each reaches. Prints one JSON
-object.
+"""What a decode step costs on the batch-invariant path (the default) and on the GEMM
+library's fastest path (`PDSERVE_BATCH_INVARIANT=0`: oneDNN's packed bf16, MKL/skinny fp32),
+side by side in one run: the engine's step time at several batch sizes, and SmolLM2's 120
+dense layers (30 layers x qkv, o, gate/up, down) at those row counts with the weight
+bandwidth each reaches, beside the machine's memory-read rate measured in the same run (a
+float32 `sum` over 1 GiB, best of 5) and the weight-read floor it gives a step. Prints one
+JSON object.
 
-    .venv/bin/python benchmarks/decode_step.py [--threads 2]
+    .venv/bin/python benchmarks/decode_step.py [--threads 2] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -18,22 +20,33 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from machine import cpu_name
 
-from pdserve.kernels import skinny_linear as skinny
+from pdserve.common.models.linear import Linear
+from pdserve.kernels import invariant_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M, fused qkv/gate-up
+PATHS = {"invariant": "1", "fast": "0"}
 
 
-def time_linears(rows: int, fn: Any, repeat: int = 5) -> float:
-    layers = [[torch.randn(n, k) for n, k in SHAPES] for _ in range(30)]
-    xs = {k: torch.randn(rows, k) for _, k in SHAPES}
+def read_gb_per_s() -> float:
+    big = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best / 1e9
+
+
+def time_linears(rows: int, dtype: torch.dtype, repeat: int = 5) -> float:
+    layers = [[Linear(torch.randn(n, k).to(dtype) * 0.05) for n, k in SHAPES] for _ in range(30)]
+    xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
 
     def step() -> None:
         for layer in layers:
-            for w in layer:
-                fn(xs[w.shape[1]], w)
+            for lin in layer:
+                lin(xs[lin.in_features])
 
     step()
     start = time.perf_counter()
@@ -42,12 +55,12 @@ def time_linears(rows: int, fn: Any, repeat: int = 5) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def engine_steps(batches: list[int], threads: int) -> dict[str, float]:
+def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, float]:
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=16384, threads=threads))
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=32768, threads=threads, dtype=dtype))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     out = {}
@@ -63,7 +76,7 @@ def engine_steps(batches: list[int], threads: int) -> dict[str, float]:
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
-        out[str(batch)] = round(statistics.median(times) * 1e3, 1)
+        out[str(batch)] = round(statistics.median(times) * 1e3, 2)
         while engine.has_unfinished_requests():
             engine.step()
     return out
@@ -72,32 +85,44 @@ def engine_steps(batches: list[int], threads: int) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rows", default="1,2,4,8,16")
-    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--batches", default="1,4,16,64")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    weight_bytes = sum(n * k * 4 for n, k in SHAPES) * 30
+    dtype = getattr(torch, args.dtype)
+    read = read_gb_per_s()
+    weight_bytes = sum(n * k for n, k in SHAPES) * 30 * dtype.itemsize
     linears = []
     for rows in [int(r) for r in args.rows.split(",")]:
         row: dict[str, Any] = {"rows": rows}
-        for name, fn in (("f_linear", F.linear), ("skinny", skinny.skinny_linear)):
-            s = time_linears(rows, fn)
-            row[f"{name}_ms"] = round(s * 1e3, 1)
+        for name, flag in PATHS.items():
+            os.environ[invariant_gemm.INVARIANT_ENV] = flag
+            s = time_linears(rows, dtype)
+            row[f"{name}_ms"] = round(s * 1e3, 2)
             row[f"{name}_gb_per_s"] = round(weight_bytes / s / 1e9, 1)
+        row["invariant_over_fast_time"] = round(row["invariant_ms"] / row["fast_ms"], 3)
         linears.append(row)
     batches = [int(b) for b in args.batches.split(",")]
-    steps = {"skinny": engine_steps(batches, args.threads)}
-    os.environ["PDSERVE_SKINNY_LINEAR"] = "0"
-    steps["f_linear"] = engine_steps(batches, args.threads)
+    steps = {}
+    for name, flag in PATHS.items():
+        os.environ[invariant_gemm.INVARIANT_ENV] = flag
+        steps[name] = engine_steps(batches, args.threads, args.dtype)
+    os.environ.pop(invariant_gemm.INVARIANT_ENV)
+    ratios = {b: round(steps["invariant"][b] / steps["fast"][b], 3) for b in steps["fast"]}
     print(
         json.dumps(
             {
                 "benchmark": "decode_step",
                 "processor": cpu_name(),
+                "host": invariant_gemm.describe(),
                 "threads": args.threads,
-                "dtype": "float32",
+                "dtype": args.dtype,
+                "memory_read_gb_per_s": round(read, 1),
+                "weight_read_floor_ms_120_linears": round(weight_bytes / read / 1e6, 2),
                 "linears_120": linears,
                 "engine_decode_step_ms_by_batch": steps,
+                "invariant_over_fast_step_time": ratios,
             },
             indent=2,
         )

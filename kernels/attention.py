@@ -6,7 +6,9 @@ sequences. Each call picks the best backend for the tensors' device and dtype:
 
 * cpu: the C++ extension (`cpu_extension`) for all three calls when it built; otherwise the
   vectorised torch backend (`torch_paged`);
-* cuda (or any other device): the torch backend.
+* cuda: the Triton backend (`triton_paged`: batch-invariant, decode and prefill by one
+  kernel) when triton is installed and `PDSERVE_BATCH_INVARIANT` is not 0; otherwise (and on
+  any other device) the torch backend.
 
 ``PDSERVE_ATTENTION_BACKEND=reference|torch|cpp|triton`` forces one backend for every call
 (tests, benchmarks, debugging; ``triton``: the Triton decode kernel, torch for the rest); it
@@ -21,7 +23,7 @@ from types import ModuleType
 
 from torch import Tensor
 
-from pdserve.kernels import cpu_extension, reference, torch_paged
+from pdserve.kernels import cpu_extension, invariant_gemm, reference, torch_paged
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 _FORCED = {"reference": reference, "torch": torch_paged, "cpp": cpu_extension, "triton": None}
@@ -41,6 +43,10 @@ def backend_for(tensor: Tensor) -> ModuleType:
         return module
     if tensor.device.type == "cpu" and cpu_extension.load() is not None:
         return cpu_extension
+    if tensor.device.type == "cuda" and invariant_gemm.enabled():
+        module = importlib.import_module("pdserve.kernels.triton_paged")
+        if module.AVAILABLE:
+            return module
     return torch_paged
 
 

@@ -6,7 +6,8 @@ The model runner calls these for every layer of every step. On CPU the C++ exten
 (`csrc/fused_ops.cpp`) serves rotary in bfloat16/float16 and residual add + RMSNorm in
 bfloat16 (one pass each); everything else, and float32 (where the engine must match the
 reference model exactly), uses torch's own kernels. `PDSERVE_FUSED_OPS=0` forces the torch
-path."""
+path. On cuda RMSNorm (with the residual add) is the Triton kernel of
+`kernels/triton_invariant.py` (one program per row: batch-invariant)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import invariant_gemm
 from pdserve.kernels.cpp_build import build_main, load_extension
 
 EXTENSION_NAME = "pdserve_fused_ops"
@@ -53,6 +55,9 @@ def _fast_rms(x: torch.Tensor):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x); normalised in float32 and rounded before scaling."""
+    gpu = invariant_gemm.gpu_kernels(x)
+    if gpu is not None and x.dim() == 2:
+        return gpu.rms_norm(x, weight, eps)[0]
     ext = _fast_rms(x)
     if ext is not None:
         return ext.add_rms_norm(None, x.contiguous(), weight, eps)
@@ -65,6 +70,11 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual). May update `residual` in place."""
+    gpu = invariant_gemm.gpu_kernels(x)
+    if gpu is not None and x.dim() == 2:
+        out, res = gpu.rms_norm(x, weight, eps, residual)
+        assert res is not None
+        return out, res
     ext = _fast_rms(x)
     if ext is not None:
         residual = residual.contiguous()

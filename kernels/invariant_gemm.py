@@ -13,6 +13,8 @@ The instruction-set path is chosen once per process from the CPU's flags, capped
 * `avx512`, `avx2` — float32 accumulation with FMA; bf16/fp16 weights are widened exactly, so
   these two give the same bits as each other for a given dtype.
 
+On cuda `gpu_kernels` hands out the Triton kernels of `kernels/triton_invariant.py` instead.
+
 Weights are packed once (`pack`) into the layout the kernel streams; `reference.linear` is
 the naive product the tests compare against."""
 
@@ -117,6 +119,18 @@ def enabled() -> bool:
     return os.environ.get(INVARIANT_ENV, "1") != "0"
 
 
+def gpu_kernels(x: torch.Tensor) -> ModuleType | None:
+    """`kernels.triton_invariant` when it serves `x` (a cuda tensor, invariance on, triton
+    installed), else None. Imported on first use only."""
+    if x.device.type != "cuda" or not enabled():
+        return None
+    try:
+        from pdserve.kernels import triton_invariant
+    except ImportError:
+        return None
+    return triton_invariant
+
+
 def path_for(weight: torch.Tensor) -> str | None:
     """The path serving `weight` here (bf16 may use every path; fp32/fp16 the FMA ones), or
     None when the kernel does not serve it (not on CPU, turned off, no path on this CPU)."""
@@ -188,13 +202,51 @@ class PackedStack:
 
 
 def gemm(
-    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, path: str
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    path: str,
+    out_float32: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ the packed weight ᵀ (+ bias, float32) -> [M, n] in x's dtype."""
+    """x [M, K] @ the packed weight ᵀ (+ bias, float32) -> [M, n] in x's dtype, or in float32
+    (`out_float32`: the accumulators unrounded, e.g. logits)."""
     ext = load()
     assert ext is not None, "path_for() returned a path, so the extension is built"
-    return ext.invariant_gemm(x, packed, n, bias, PATHS.index(path))
+    return ext.invariant_gemm(x, packed, n, bias, PATHS.index(path), out_float32)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((x for x in info if x.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.split(":", 1)[-1].strip() or "unknown"
+
+
+def describe() -> dict[str, object]:
+    """This host's CPU, its class, the cap in force and the path each dtype takes."""
+    flags = _cpu_flags()
+    native = next((p for p in reversed(PATHS) if _NEEDS[p] <= flags), None)
+    return {
+        "cpu": cpu_model(),
+        "isa_class": native,
+        ONEDNN_ENV: os.environ.get(ONEDNN_ENV),
+        ISA_ENV: os.environ.get(ISA_ENV),
+        "batch_invariant": enabled(),
+        "paths": {
+            str(d).removeprefix("torch."): path_for(torch.empty(0, dtype=d))
+            for d in (torch.bfloat16, torch.float32, torch.float16)
+        },
+    }
 
 
 if __name__ == "__main__":
+    import json
+    import sys
+
+    if "--describe" in sys.argv:
+        print(json.dumps(describe()))
+        raise SystemExit(0)
     raise SystemExit(build_main(EXTENSION_NAME, [SOURCE]))

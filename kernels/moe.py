@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pdserve.kernels import reference
+from pdserve.kernels import invariant_gemm, reference
 from pdserve.kernels.fused_ops import silu_and_mul
 from pdserve.kernels.invariant_gemm import PackedStack
 
@@ -50,7 +50,10 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> ExpertOrder:
 
 
 def _expert_linear(x: Tensor, w: Experts, e: int) -> Tensor:
-    return w.linear(e, x) if isinstance(w, PackedStack) else F.linear(x, w[e])
+    if isinstance(w, PackedStack):
+        return w.linear(e, x)
+    gpu = invariant_gemm.gpu_kernels(x)
+    return F.linear(x, w[e]) if gpu is None else gpu.linear(x, w[e])
 
 
 def expert_mlps(

@@ -1,12 +1,15 @@
-"""Triton decode attention over the paged KV cache (GPU; opt-in).
+"""Triton attention over the paged KV cache: the cuda default (batch-invariant).
 
-The model runner calls `decode_attention` (through `pdserve.kernels.attention`) for every
-layer of every decode step. With ``PDSERVE_ATTENTION_BACKEND=triton`` cuda tensors use this
-kernel for decode; `write_kv` and `prefill_attention` are the torch backend's. One program
-per (sequence, kv head) loads the G query heads of that kv head once and walks the
-sequence's blocks straight from the cache with an online float32 softmax, so nothing is
-gathered. It is not the cuda default because it has only been checked with the Triton
-interpreter (``TRITON_INTERPRET=1``, on CPU tensors), not timed on a GPU.
+The model runner calls `decode_attention` and `prefill_attention` (through
+`pdserve.kernels.attention`) for every layer of every step; on cuda they land here when
+triton is installed (``PDSERVE_ATTENTION_BACKEND=triton`` forces it, e.g. on CPU tensors
+under ``TRITON_INTERPRET=1``). One program per (query row, kv head) loads the G query heads
+of that kv head once and walks the row's blocks straight from the cache with an online
+float32 softmax, so nothing is gathered. A prefill chunk runs as one such query row per
+token, each over its own causal context: a token's output is then computed by exactly the
+same program whether it is a decode step or a row of any chunk, next to any batch (the
+determinism contract, docs/engine.md). `write_kv` is the torch backend's. Checked with the
+Triton interpreter (on CPU tensors) and, when one is lent, on a GPU (benchmarks/gpu_check).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pdserve.kernels.torch_paged import prefill_attention, write_kv
+from pdserve.kernels.torch_paged import write_kv
 
 try:
     import triton
@@ -130,3 +133,28 @@ def decode_attention(
         BLOCK_T=triton.next_power_of_2(block_size),
     )
     return out
+
+
+def prefill_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    layer: int,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: Tensor,
+    scale: float,
+) -> Tensor:
+    """Causal chunks as decode rows: row i of sequence s (the last q_len of seq_lens[s]
+    positions, K/V already written) attends over its first seq_lens[s] - q_len + i + 1."""
+    del key, value  # read from the cache, like decode
+    device = query.device
+    starts = torch.tensor(query_start_loc, dtype=torch.long)
+    q_lens = starts[1:] - starts[:-1]
+    seqs = torch.repeat_interleave(torch.arange(len(seq_lens)), q_lens)
+    first = torch.tensor(seq_lens, dtype=torch.long) - q_lens  # each chunk's first position
+    rows = torch.arange(int(starts[-1])) - starts[:-1][seqs]
+    lens = (first[seqs] + rows + 1).to(device=device, dtype=torch.int32)
+    tables = block_tables.to(device=device)[seqs.to(device)]
+    return decode_attention(query, kv_cache, layer, tables, lens, scale)

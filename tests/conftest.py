@@ -58,3 +58,10 @@ def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
 @pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return _tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir, request.param)
+
+
+def pytest_report_header(config) -> str:
+    """The CPU and the GEMM path each dtype takes, so a failure can be placed."""
+    from pdserve.kernels import invariant_gemm
+
+    return f"pdserve host: {invariant_gemm.describe()}"

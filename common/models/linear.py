@@ -11,7 +11,9 @@ samples, are the same offline, colocated, disaggregated and after failover.
 comparisons): in bfloat16/float16 the weight reordered once into oneDNN's blocked layout,
 in float32 `kernels/skinny_linear` for up to 16 rows and `F.linear` past that. oneDNN picks
 its kernel by the number of rows (with AMX, rows differ at the last bit between batch
-sizes), so that path is not batch-invariant. GPUs use `F.linear`."""
+sizes), so that path is not batch-invariant. On cuda the dense layers are the Triton kernel
+of `kernels/triton_invariant.py` (one tile configuration for every M), or `F.linear` (cuBLAS)
+when invariance is turned off or triton is missing."""
 
 from __future__ import annotations
 
@@ -53,11 +55,17 @@ class Linear:
     # The batch size oneDNN tunes the blocked layout for; any batch size works with it.
     PACK_FOR_BATCH = 64
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, float32_out: bool = False
+    ) -> None:
+        """`float32_out`: return the float32 accumulators unrounded (the LM head: logits
+        rounded to bf16 tie far more often, and argmax then picks by vocabulary order)."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.float32_out = float32_out
         # The invariant kernel's path ("amx", "avx512_bf16", "avx512", "avx2"), or None.
         self.path = invariant_gemm.path_for(weight)
+        self.gpu = invariant_gemm.gpu_kernels(weight)  # cuda: the Triton kernel
         if self.path is not None:
             self.packed = False
             self.weight = invariant_gemm.pack(weight)
@@ -72,7 +80,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.path is not None:
-            return invariant_gemm.gemm(x, self.weight, self.out_features, self.bias, self.path)
+            return invariant_gemm.gemm(
+                x, self.weight, self.out_features, self.bias, self.path, self.float32_out
+            )
+        if self.gpu is not None:
+            return self.gpu.linear(x, self.weight, self.bias, self.float32_out)
         if not self.packed and skinny.serves(x, self.weight):
             y = skinny.skinny_linear(x, self.weight, self.bias)
             if y is not None:

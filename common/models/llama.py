@@ -78,7 +78,8 @@ class LlamaForCausalLM:
         self.lm_head = Linear(
             self.embed
             if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
-            else take("lm_head.weight")
+            else take("lm_head.weight"),
+            float32_out=True,
         )
         self.final_norm = take("model.norm.weight")
         self.layers = []

@@ -360,9 +360,9 @@ AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T*
   });
 }
 
-template <int R, int NB>
+template <typename T, int R, int NB>
 BF16_TARGET void dp_tile(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
-                         const c10::BFloat16* w, int64_t bstride, c10::BFloat16* y, int64_t r0,
+                         const c10::BFloat16* w, int64_t bstride, T* y, int64_t r0,
                          int64_t b0) {
   __m512 acc[R][NB];
   dp_block<R, NB>(x + r0 * ldx, ldx, w + b0 * bstride, bstride, (pr.k + 1) / 2, acc);
@@ -374,30 +374,32 @@ BF16_TARGET void dp_tile(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
     }
 }
 
-template <int NB>
+template <typename T, int NB>
 BF16_TARGET void dp_rows(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
-                         const c10::BFloat16* w, int64_t bstride, c10::BFloat16* y, int64_t m0,
+                         const c10::BFloat16* w, int64_t bstride, T* y, int64_t m0,
                          int64_t m1, int64_t b0) {
   int64_t r = m0;
-  for (; r + 4 <= m1; r += 4) dp_tile<4, NB>(pr, x, ldx, w, bstride, y, r, b0);
-  for (; r < m1; ++r) dp_tile<1, NB>(pr, x, ldx, w, bstride, y, r, b0);
+  for (; r + 4 <= m1; r += 4) dp_tile<T, 4, NB>(pr, x, ldx, w, bstride, y, r, b0);
+  for (; r < m1; ++r) dp_tile<T, 1, NB>(pr, x, ldx, w, bstride, y, r, b0);
 }
 
+template <typename T>
 BF16_TARGET void gemm_dp(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
-                         const c10::BFloat16* w, c10::BFloat16* y) {
+                         const c10::BFloat16* w, T* y) {
   const int64_t bstride = ((pr.k + 31) / 32) * 32 * kBlock;
   for_units(pr, 4, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
     switch (nb) {
-      case 4: dp_rows<4>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
-      case 3: dp_rows<3>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
-      case 2: dp_rows<2>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
-      default: dp_rows<1>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
+      case 4: dp_rows<T, 4>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
+      case 3: dp_rows<T, 3>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
+      case 2: dp_rows<T, 2>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
+      default: dp_rows<T, 1>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
     }
   });
 }
 
 // Rows [r0, r0 + rows) of the fp32 tile buffer c (32 floats per row) into y.
-AVX512_TARGET void amx_epilogue(const Problem& pr, const float* c, c10::BFloat16* y, int64_t r0,
+template <typename T>
+AVX512_TARGET void amx_epilogue(const Problem& pr, const float* c, T* y, int64_t r0,
                                 int rows, int64_t b0, int64_t nb) {
   for (int r = 0; r < rows; ++r)
     for (int64_t j = 0; j < nb; ++j) {
@@ -412,8 +414,9 @@ AVX512_TARGET void amx_epilogue(const Problem& pr, const float* c, c10::BFloat16
 // kp % 32 == 0 (ldx = kp). Row tiles of 16, two at a time; the last, if short, is copied
 // into a zero-padded tile first. The tile configuration is loaded on every call: another
 // library (oneDNN) may have changed it on this thread in between.
+template <typename T>
 AMX_TARGET void amx_unit(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
-                         const c10::BFloat16* w, c10::BFloat16* y, int64_t m0, int64_t m1,
+                         const c10::BFloat16* w, T* y, int64_t m0, int64_t m1,
                          int64_t b0, int64_t nb) {
   const int64_t kp = ldx, ksteps = kp / 32, bstride = kp * kBlock, lda = ldx * 2;
   const int64_t full_tiles = pr.m / 16;
@@ -450,8 +453,9 @@ AMX_TARGET void amx_unit(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
   }
 }
 
+template <typename T>
 void gemm_amx(const Problem& pr, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w,
-              c10::BFloat16* y) {
+              T* y) {
   for_units(pr, 2, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
     amx_unit(pr, x, ldx, w, y, m0, m1, b0, nb);
   });
@@ -478,9 +482,11 @@ void run_fma(const Problem& pr, int64_t isa, const torch::Tensor& x32, const W* 
 bool amx_supported() { return request_amx_permission(); }
 
 // x [M, K] (float32 / bfloat16 / float16, the weight's dtype); packed: see the layouts
-// above; n: output features; bias: float32 [n] or None. Returns [M, n] in x's dtype.
+// above; n: output features; bias: float32 [n] or None. Returns [M, n] in x's dtype, or in
+// float32 with out_float32 (the LM head: logits not rounded to 16 bits, so no false ties).
 torch::Tensor invariant_gemm(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t n,
-                             const c10::optional<torch::Tensor>& bias_in, int64_t isa) {
+                             const c10::optional<torch::Tensor>& bias_in, int64_t isa,
+                             bool out_float32) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2, "invariant_gemm: x must be a 2-D cpu tensor");
   TORCH_CHECK(x_in.scalar_type() == packed.scalar_type(),
               "invariant_gemm: x is ", x_in.scalar_type(), ", the weight ", packed.scalar_type());
@@ -508,7 +514,7 @@ torch::Tensor invariant_gemm(const torch::Tensor& x_in, const torch::Tensor& pac
     TORCH_CHECK(bias.numel() == n, "invariant_gemm: bias has ", bias.numel(), " values, not ", n);
     pr.bias = bias.data_ptr<float>();
   }
-  auto y = torch::empty({pr.m, n}, x_in.options());
+  auto y = torch::empty({pr.m, n}, x_in.options().dtype(out_float32 ? torch::kFloat : dtype));
   if (pr.m == 0) return y;
   torch::Tensor x = x_in.contiguous();
   if (isa == kAmx || isa == kAvx512Bf16) {
@@ -517,11 +523,16 @@ torch::Tensor invariant_gemm(const torch::Tensor& x_in, const torch::Tensor& pac
     if (want != pr.k) x = torch::constant_pad_nd(x, {0, want - pr.k});
     const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
     const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.data_ptr());
-    auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
-    if (isa == kAmx)
-      gemm_amx(pr, xp, want, wp, yp);
+    auto run = [&](auto* yp) {
+      if (isa == kAmx)
+        gemm_amx(pr, xp, want, wp, yp);
+      else
+        gemm_dp(pr, xp, want, wp, yp);
+    };
+    if (out_float32)
+      run(y.data_ptr<float>());
     else
-      gemm_dp(pr, xp, want, wp, yp);
+      run(reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
     return y;
   }
   // FMA paths: activations widened to float32 once (exact), the weight widened on the fly.
@@ -534,12 +545,20 @@ torch::Tensor invariant_gemm(const torch::Tensor& x_in, const torch::Tensor& pac
       run_fma<float, float>(pr, isa, x32, packed.data_ptr<float>(), y.data_ptr<float>());
       break;
     case torch::kBFloat16:
-      run_fma<c10::BFloat16, c10::BFloat16>(pr, isa, x32, packed.data_ptr<c10::BFloat16>(),
-                                            y.data_ptr<c10::BFloat16>());
+      if (out_float32)
+        run_fma<float, c10::BFloat16>(pr, isa, x32, packed.data_ptr<c10::BFloat16>(),
+                                      y.data_ptr<float>());
+      else
+        run_fma<c10::BFloat16, c10::BFloat16>(pr, isa, x32, packed.data_ptr<c10::BFloat16>(),
+                                              y.data_ptr<c10::BFloat16>());
       break;
     case torch::kHalf:
-      run_fma<c10::Half, c10::Half>(pr, isa, x32, packed.data_ptr<c10::Half>(),
-                                    y.data_ptr<c10::Half>());
+      if (out_float32)
+        run_fma<float, c10::Half>(pr, isa, x32, packed.data_ptr<c10::Half>(),
+                                  y.data_ptr<float>());
+      else
+        run_fma<c10::Half, c10::Half>(pr, isa, x32, packed.data_ptr<c10::Half>(),
+                                      y.data_ptr<c10::Half>());
       break;
     default:
       TORCH_CHECK(false, "invariant_gemm: unsupported dtype ", dtype);
@@ -551,6 +570,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "pdserve batch-invariant dense layers";
   mod.def("invariant_gemm", &invariant_gemm, "y = x W^T + b, the same bits for a row in any batch",
           py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("isa"),
+          py::arg("out_float32"),
           py::call_guard<py::gil_scoped_release>());
   mod.def("amx_supported", &amx_supported, "Whether this process may use AMX tiles");
 }

@@ -4,15 +4,24 @@ prefill chunk of any size and start, next to other chunks (docs/engine.md, Deter
 
 from __future__ import annotations
 
+import importlib
+import os
+from types import ModuleType
+
 import pytest
 import torch
 
 from pdserve.kernels import cpu_extension
 
-# The C++ backend serves every CPU step. The torch backend (cuda, or a CPU without the
-# extension) runs scaled_dot_product_attention, whose kernels block by shape: it makes no
-# such promise (docs/engine.md, Determinism).
-BACKENDS = {"cpp": cpu_extension}
+# Triton runs its kernels through its interpreter here; it must be told before it is first
+# imported (see test_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The C++ backend serves every CPU step, the Triton one every cuda step. The torch backend
+# (a CPU without the extension, cuda without triton) runs scaled_dot_product_attention,
+# whose kernels block by shape: it makes no such promise (docs/engine.md, Determinism).
+BACKENDS = ["cpp", "triton"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 2
 LENGTH = 100  # the sequence under test; its K/V are in the cache
 SPLITS = [[100], [1, 99], [17, 23, 1, 59], [16, 16, 16, 52], [5, 72, 23], [99, 1], [31, 33, 36]]
@@ -39,16 +48,25 @@ def _prefill(backend, q, cache, tables, starts, lens):
     return backend.prefill_attention(q, None, None, cache, 1, starts, lens, tables, 0.125)
 
 
-@pytest.fixture(autouse=True)
-def _needs_extension(request):
-    if request.node.callspec.params.get("backend") == "cpp" and cpu_extension.load() is None:
-        pytest.fail("the C++ attention extension did not build")
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> ModuleType:
+    if request.param == "cpp":
+        if cpu_extension.load() is None:
+            pytest.fail("the C++ attention extension did not build")
+        return cpu_extension
+    language = pytest.importorskip("triton.language", reason="triton is not installed")
+    if not torch.cuda.is_available() and type(language.sum).__name__ != "InterpretedFunction":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file alone")
+    from pdserve.kernels import triton_paged
+
+    if type(triton_paged._decode_kernel).__name__ != "InterpretedFunction":
+        triton_paged = importlib.reload(triton_paged)
+    return triton_paged
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_row_does_not_depend_on_the_batch(backend, dtype):
-    mod = BACKENDS[backend]
+    mod = backend
     cache, table, other, q, noise = _setup(dtype)
     for p in (0, 1, 15, 16, 17, 40, 63, 64, 99):
         alone = _decode(mod, q[p : p + 1], cache, table, [p + 1])
@@ -59,10 +77,9 @@ def test_decode_row_does_not_depend_on_the_batch(backend, dtype):
             assert torch.equal(got, alone), (p, others)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_rows_equal_decode_rows_for_every_chunking(backend, dtype):
-    mod = BACKENDS[backend]
+    mod = backend
     cache, table, other, q, noise = _setup(dtype)
     decoded = torch.cat([_decode(mod, q[p : p + 1], cache, table, [p + 1]) for p in range(LENGTH)])
     for split in SPLITS:
@@ -83,7 +100,7 @@ def test_prefill_rows_equal_decode_rows_for_every_chunking(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_context_decode_is_never_split_by_the_batch(dtype):
+def test_long_context_decode_is_never_split_by_the_batch(backend, dtype):
     """A long context alone (where a split of the context across threads would pay off) and
     the same context next to other long ones give the same bits, and equal its prefill."""
     gen = torch.Generator().manual_seed(1)
@@ -95,13 +112,11 @@ def test_long_context_decode_is_never_split_by_the_batch(dtype):
 
     def decode(qs, tables, lens):
         lens_t = torch.tensor(lens, dtype=torch.int32)
-        return cpu_extension.decode_attention(qs, cache, 0, tables, lens_t, 0.125)
+        return backend.decode_attention(qs, cache, 0, tables, lens_t, 0.125)
 
     alone = decode(q[:1], table, [length])
     batch = decode(q, torch.cat([table, perm[70:140].view(1, -1)] * 2), [length, 900, 1050, 3])
     assert torch.equal(batch[:1], alone)
     rows = torch.cat([torch.randn(49, HEADS, HEAD_DIM, generator=gen).to(dtype), q[:1]])
-    chunk = cpu_extension.prefill_attention(
-        rows, None, None, cache, 0, [0, 50], [length], table, 0.125
-    )
+    chunk = backend.prefill_attention(rows, None, None, cache, 0, [0, 50], [length], table, 0.125)
     assert torch.equal(chunk[-1:], alone)

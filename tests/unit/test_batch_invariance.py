@@ -64,6 +64,15 @@ def test_dense_layer_is_batch_and_chunk_invariant_on_every_path(dtype, shape):
         _assert_rows_invariant(op, x)
         torch.testing.assert_close(op(x).float(), expected.float(), atol=tol, rtol=tol)
 
+        def op32(rows, path=path):  # the LM head's unrounded float32 logits
+            return gemm.gemm(rows, packed, n, bias, path, out_float32=True)
+
+        _assert_rows_invariant(op32, x)
+        assert op32(x).dtype == torch.float32
+        assert torch.equal(op32(x).to(dtype), op(x)) or dtype == torch.float32
+        want32 = reference.linear(x.double(), weight.double(), bias.double()).float()
+        torch.testing.assert_close(op32(x), want32, atol=1e-4, rtol=1e-4)
+
 
 def test_fma_paths_agree_bit_for_bit():
     """AVX2 and AVX-512 accumulate in the same order: one answer for a dtype on either."""

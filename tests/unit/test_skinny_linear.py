@@ -39,6 +39,9 @@ def test_a_row_is_the_same_in_any_batch() -> None:
 
 
 def test_linear_uses_it_for_decode_sized_float32_batches(monkeypatch) -> None:
+    """On the GEMM library's path (batch invariance off: the invariant kernel serves
+    float32 otherwise)."""
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "0")
     w = torch.randn(64, 32)
     layer = Linear(w)
     x = torch.randn(3, 32)

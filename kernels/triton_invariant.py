@@ -1,0 +1,136 @@
+"""Batch-invariant kernels for GPUs, in Triton: the dense layer `y = x Wᵀ + b` and RMSNorm
+(with the residual add), which the model runner uses for every layer of every step on cuda
+(`common/models/linear.py`, `kernels/fused_ops.py`, `kernels/moe.py`).
+
+cuBLAS and torch's reductions choose their kernels, tiles and split-K by shape, so a row's
+bits change with the batch. Here one configuration serves every M: a program computes one
+fixed BLOCK_M x BLOCK_N tile, walking K from 0 in BLOCK_K steps into one float32
+accumulator (no split-K, no atomics), rows past M masked to zero; M is not a specialisation
+key, so every M runs the same compiled kernel. RMSNorm is one program per row. Checked on
+the CPU under `TRITON_INTERPRET=1` against the naive references
+(tests/unit/test_triton_invariant.py).
+
+Imported only when a cuda tensor needs it (importing triton first decides whether its
+interpreter is on)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+# Triton's interpreter multiplies bf16 tiles as raw integers: there the tiles are widened to
+# float32 first (exact); compiled kernels multiply bf16 on the tensor cores.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            other=0.0,
+        )
+        if WIDEN:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE or WIDEN:  # noqa: SIM108 (a constexpr branch, compiled away)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, float32_out: bool = False
+) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias) -> [M, N] in x's dtype (float32 with `float32_out`);
+    float32 inputs without TF32."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
+    if m == 0:
+        return y
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        WIDEN=_INTERPRETED and x.dtype != torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, eps,
+    stride_x, stride_res, stride_out, stride_res_out,
+    HAS_RESIDUAL: tl.constexpr, FLOAT32: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if FLOAT32:  # noqa: SIM108
+        y = xf * rstd * w
+    else:  # normalised in float32, rounded, then scaled (the reference model's order)
+        y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """(RMSNorm(x [+ residual]) * weight, x + residual or None) for x [T, N]."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if rows:
+        res = residual if residual is not None else x
+        ro = res_out if res_out is not None else out
+        _rms_norm_kernel[(rows,)](
+            x, res, weight, out, ro, n, eps,
+            x.stride(0), res.stride(0), out.stride(0), ro.stride(0),
+            HAS_RESIDUAL=residual is not None, FLOAT32=x.dtype == torch.float32,
+            BLOCK=triton.next_power_of_2(n),
+        )  # fmt: skip
+    return out, res_out

@@ -1,0 +1,76 @@
+"""The determinism contract on every CPU class this host can stand in for: each test runs the
+op-level invariance tests and the end-to-end greedy test again in its own process, with
+oneDNN (and with it pdserve's GEMM path choice) capped by ONEDNN_MAX_CPU_ISA and the C++
+kernels compiled for that class (PDSERVE_CPU_ARCH), and checks which GEMM path it took.
+A cap above the host's own class is skipped: that class is covered on such a host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.kernels import invariant_gemm
+
+ROOT = Path(__file__).resolve().parents[2]
+# cap -> (the bf16 GEMM path it must give, the -march the kernels are built for). The
+# attention kernels differ by AVX-512 and AVX512-BF16 only, so a host that has AVX512-BF16
+# builds the two top classes natively (one build fewer).
+CLASSES = {
+    "AVX2": ("avx2", "haswell"),
+    "AVX512_CORE": ("avx512", "skylake-avx512"),
+    "AVX512_CORE_BF16": ("avx512_bf16", "native"),
+    "AVX512_CORE_AMX": ("amx", "native"),
+}
+TESTS = [
+    "tests/unit/test_batch_invariance.py",
+    "tests/unit/test_attention_invariance.py",
+    "tests/integration/test_determinism.py::test_greedy_ids_do_not_depend_on_batch_or_chunking[auto]",
+]
+
+
+def _host_rank() -> int:
+    saved = {
+        k: os.environ.pop(k, None) for k in (invariant_gemm.ONEDNN_ENV, invariant_gemm.ISA_ENV)
+    }
+    try:
+        invariant_gemm.host_path.cache_clear()
+        host = invariant_gemm.host_path()
+    finally:
+        for k, v in saved.items():
+            if v is not None:
+                os.environ[k] = v
+        invariant_gemm.host_path.cache_clear()
+    assert host is not None, "no GEMM path on this host"
+    return invariant_gemm.PATHS.index(host)
+
+
+@pytest.mark.parametrize("cap", list(CLASSES))
+def test_contract_holds_under_isa_cap(cap):
+    path, arch = CLASSES[cap]
+    rank = invariant_gemm.PATHS.index(path)
+    if rank > _host_rank():
+        pytest.skip(f"this host cannot run {cap}")
+    if rank == _host_rank():
+        arch = "native"
+    env = {**os.environ, invariant_gemm.ONEDNN_ENV: cap, "PDSERVE_CPU_ARCH": arch}
+    env.pop(invariant_gemm.ISA_ENV, None)
+    probe = subprocess.run(
+        [sys.executable, "-m", "pdserve.kernels.invariant_gemm", "--describe"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    described = json.loads(probe.stdout)
+    print(cap, described)
+    assert described["paths"]["bfloat16"] == path
+    assert described["paths"]["float32"] == ("avx2" if path == "avx2" else "avx512")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout

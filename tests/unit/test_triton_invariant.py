@@ -1,0 +1,90 @@
+"""The cuda kernels of the determinism contract (kernels/triton_invariant.py), run by
+Triton's interpreter on CPU tensors here and natively on a GPU: the dense layer and RMSNorm
+give one row the same bits whatever the batch and the chunking, and match the naive
+references."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+from pdserve.kernels import reference
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS = [1, 2, 3, 17, 64, 65, 130]
+SPLITS = [[130], [1, 129], [17, 64, 49], [65, 65]]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    language = pytest.importorskip("triton.language", reason="triton is not installed")
+    if DEVICE == "cpu" and type(language.sum).__name__ != "InterpretedFunction":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file alone")
+    from pdserve.kernels import triton_invariant
+
+    if DEVICE == "cpu" and type(triton_invariant._linear_kernel).__name__ != "InterpretedFunction":
+        triton_invariant = importlib.reload(triton_invariant)
+    return triton_invariant
+
+
+def _assert_rows_invariant(op, x: torch.Tensor) -> None:
+    full = op(x)
+    for m in ROWS:
+        assert torch.equal(op(x[:m]), full[:m]), f"first {m} rows"
+        start = (len(x) - m) // 2
+        assert torch.equal(op(x[start : start + m]), full[start : start + m]), f"{m} at {start}"
+    for split in SPLITS:
+        assert torch.equal(torch.cat([op(c) for c in x.split(split)]), full), f"split {split}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (100, 75)])
+def test_triton_linear_is_invariant_and_matches_the_reference(kernels, dtype, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * k)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(130, k, generator=gen).to(dtype).to(DEVICE)
+    _assert_rows_invariant(lambda r: kernels.linear(r, weight, bias), x)
+    want = reference.linear(x.cpu(), weight.cpu(), bias.cpu())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = kernels.linear(x, weight, bias).cpu()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rms_norm_is_invariant_and_matches_torch(kernels, dtype):
+    gen = torch.Generator().manual_seed(7)
+    hidden = 96
+    x = torch.randn(130, hidden, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(130, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    _assert_rows_invariant(lambda r: kernels.rms_norm(r, weight, 1e-5)[0], x)
+    both = torch.cat([x, residual], dim=1)
+
+    def add_norm(rows):
+        out, res = kernels.rms_norm(rows[:, :hidden], weight, 1e-5, rows[:, hidden:])
+        return torch.cat([out, res], dim=1)
+
+    _assert_rows_invariant(add_norm, both)
+    summed = (x.float() + residual.float()).to(dtype)
+    if dtype == torch.float32:
+        want = torch.nn.functional.rms_norm(summed, (hidden,), weight, 1e-5)
+    else:
+        normed = torch.nn.functional.rms_norm(summed.float(), (hidden,), None, 1e-5)
+        want = normed.to(dtype) * weight
+    out, res = kernels.rms_norm(x, weight, 1e-5, residual)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(res, summed)
+    else:  # the interpreter rounds float32 -> bf16 by truncation: at most one bf16 ulp off
+        torch.testing.assert_close(res.float(), summed.float(), atol=0, rtol=2**-7)
+    # bf16: two roundings, each one ulp (2^-8 relative) off where the interpreter truncates
+    tol = 1e-5 if dtype == torch.float32 else (1e-2 if DEVICE == "cuda" else 3e-2)
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
