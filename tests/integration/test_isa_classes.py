@@ -69,7 +69,9 @@ def test_contract_holds_under_isa_cap(cap):
     assert described["paths"]["bfloat16"] == path
     assert described["paths"]["float32"] == ("avx2" if path == "avx2" else "avx512")
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+        # Triton (the cuda kernels, interpreted here) does not depend on the CPU class.
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not triton",
+         *TESTS],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

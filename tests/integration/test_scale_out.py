@@ -83,6 +83,17 @@ def restart(cluster, name: str) -> None:
     cluster["services"][name] = start(role, *WORKER_ARGS, "--port", str(cluster["ports"][name]))
 
 
+@pytest.fixture(autouse=True)
+def _workers_back_after_each_test(cluster):
+    """A test that fails between killing a worker and restarting it must not leave the
+    module's pool short for the tests after it: any worker that is not running is started
+    again on its port."""
+    yield
+    for name in cluster["ports"]:
+        if cluster["services"][name].proc.poll() is not None:
+            restart(cluster, name)
+
+
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict[str, list[int]]:
     address = cluster["services"]["coordinator"].grpc

@@ -57,6 +57,10 @@ def test_triton_linear_is_invariant_and_matches_the_reference(kernels, dtype, sh
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     got = kernels.linear(x, weight, bias).cpu()
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    logits = kernels.linear(x, weight, bias, float32_out=True).cpu()  # the LM head's form
+    assert logits.dtype == torch.float32
+    want32 = reference.linear(x.cpu().double(), weight.cpu().double(), bias.cpu().double())
+    torch.testing.assert_close(logits, want32.float(), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
