@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from invariance import assert_rows_invariant
 
 from pdserve.common.models.linear import Linear
 from pdserve.kernels import fused_ops as fused
@@ -31,16 +32,7 @@ def _runnable_paths(dtype: torch.dtype) -> list[str]:
 
 
 def _assert_rows_invariant(op, x: torch.Tensor) -> None:
-    """op(x[a:b]) == op(x)[a:b] for every M in ROWS (from the start and shifted) and for
-    every split of the rows into consecutive chunks."""
-    full = op(x)
-    for m in ROWS:
-        assert torch.equal(op(x[:m]), full[:m]), f"first {m} rows"
-        start = (len(x) - m) // 2
-        assert torch.equal(op(x[start : start + m]), full[start : start + m]), f"{m} at {start}"
-    for split in SPLITS:
-        parts = torch.cat([op(chunk) for chunk in x.split(split)])
-        assert torch.equal(parts, full), f"split {split}"
+    assert_rows_invariant(op, x, ROWS, SPLITS)
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])

@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from invariance import assert_rows_invariant
 
 from pdserve.kernels import reference
 
@@ -35,13 +36,7 @@ def kernels() -> ModuleType:
 
 
 def _assert_rows_invariant(op, x: torch.Tensor) -> None:
-    full = op(x)
-    for m in ROWS:
-        assert torch.equal(op(x[:m]), full[:m]), f"first {m} rows"
-        start = (len(x) - m) // 2
-        assert torch.equal(op(x[start : start + m]), full[start : start + m]), f"{m} at {start}"
-    for split in SPLITS:
-        assert torch.equal(torch.cat([op(c) for c in x.split(split)]), full), f"split {split}"
+    assert_rows_invariant(op, x, ROWS, SPLITS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
