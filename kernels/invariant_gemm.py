@@ -65,7 +65,7 @@ _NEEDS = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
-    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_tile", "amx_bf16"},
+    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"},
 }
 
 
