@@ -31,15 +31,24 @@ def cflags() -> list[str]:
     return ["-O3", f"-march={cpu_arch()}", "-fopenmp", "-DNDEBUG"]
 
 
+def cpuinfo_line(key: str) -> str:
+    """The first line of /proc/cpuinfo starting with `key` ("flags", "model name"), or ""."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(key)), "")
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags, as the kernel reports them."""
+    return set(cpuinfo_line("flags").split(":", 1)[-1].split())
+
+
 def cpu_tag() -> str:
     """Short fingerprint of this CPU's instruction sets: a build made with -march=native on
     another machine (say, at image build time) is then rebuilt instead of crashing."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+    return hashlib.sha1((platform.machine() + cpuinfo_line("flags")).encode()).hexdigest()[:10]
 
 
 def build_dir(name: str) -> Path:

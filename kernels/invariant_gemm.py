@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpp_build import build_main, load_extension
+from pdserve.kernels.cpp_build import build_main, cpu_flags, cpuinfo_line, load_extension
 
 EXTENSION_NAME = "pdserve_invariant_gemm"
 SOURCE = Path(__file__).parent / "csrc" / "invariant_gemm.cpp"
@@ -73,15 +73,6 @@ def load(verbose: bool = False) -> ModuleType | None:
     return load_extension(EXTENSION_NAME, [SOURCE], verbose)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            line = next((x for x in info if x.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split())
-
-
 def _cap(env: str, names: dict[str, str | None]) -> int:
     """Index into PATHS of the fastest path `env` allows (len(PATHS) - 1 when unset)."""
     value = os.environ.get(env, "").strip()
@@ -98,7 +89,7 @@ def _cap(env: str, names: dict[str, str | None]) -> int:
 def host_path() -> str | None:
     """The fastest path this process may use: the CPU's flags, capped by ONEDNN_MAX_CPU_ISA
     and PDSERVE_GEMM_ISA; None where no path runs (not x86-64 with AVX2, or no compiler)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     allowed = min(_cap(ONEDNN_ENV, _ONEDNN_CAP), _cap(ISA_ENV, {p: p for p in PATHS}))
     for index in range(allowed, -1, -1):
         path = PATHS[index]
@@ -216,21 +207,12 @@ def gemm(
     return ext.invariant_gemm(x, packed, n, bias, PATHS.index(path), out_float32)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            line = next((x for x in info if x.startswith("model name")), "")
-    except OSError:
-        line = ""
-    return line.split(":", 1)[-1].strip() or "unknown"
-
-
 def describe() -> dict[str, object]:
     """This host's CPU, its class, the cap in force and the path each dtype takes."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     native = next((p for p in reversed(PATHS) if _NEEDS[p] <= flags), None)
     return {
-        "cpu": cpu_model(),
+        "cpu": cpuinfo_line("model name").split(":", 1)[-1].strip() or "unknown",
         "isa_class": native,
         ONEDNN_ENV: os.environ.get(ONEDNN_ENV),
         ISA_ENV: os.environ.get(ISA_ENV),

@@ -58,17 +58,6 @@ inline uint16_t to_bf16_scalar(float f) {
   return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
 }
 
-template <typename T>
-inline void store_scalar(T* dst, float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    *dst = v;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    *dst = c10::BFloat16(to_bf16_scalar(v), c10::BFloat16::from_bits());
-  } else {
-    *dst = static_cast<T>(v);
-  }
-}
-
 // ------------------------------------------------------------------ AVX-512 epilogue
 // 16 fp32 sums (+ bias) rounded to T, the first `n` of them stored.
 template <typename T>
@@ -555,28 +544,19 @@ torch::Tensor invariant_gemm(const torch::Tensor& x_in, const torch::Tensor& pac
   if (bf16 && pr.k % 2) x = torch::constant_pad_nd(x, {0, 1});
   const torch::Tensor x32 = x.to(torch::kFloat).contiguous();
   if (bf16 && pr.k % 2) pr.k += 1;
+  // Output in the weight's dtype, or float32 (out_float32, or float32 weights).
+  auto fma = [&](const auto* w) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
+    if (out_float32)
+      run_fma<float, W>(pr, isa, x32, w, y.data_ptr<float>());
+    else
+      run_fma<W, W>(pr, isa, x32, w, reinterpret_cast<W*>(y.data_ptr()));
+  };
   switch (dtype) {
-    case torch::kFloat:
-      run_fma<float, float>(pr, isa, x32, packed.data_ptr<float>(), y.data_ptr<float>());
-      break;
-    case torch::kBFloat16:
-      if (out_float32)
-        run_fma<float, c10::BFloat16>(pr, isa, x32, packed.data_ptr<c10::BFloat16>(),
-                                      y.data_ptr<float>());
-      else
-        run_fma<c10::BFloat16, c10::BFloat16>(pr, isa, x32, packed.data_ptr<c10::BFloat16>(),
-                                              y.data_ptr<c10::BFloat16>());
-      break;
-    case torch::kHalf:
-      if (out_float32)
-        run_fma<float, c10::Half>(pr, isa, x32, packed.data_ptr<c10::Half>(),
-                                  y.data_ptr<float>());
-      else
-        run_fma<c10::Half, c10::Half>(pr, isa, x32, packed.data_ptr<c10::Half>(),
-                                      y.data_ptr<c10::Half>());
-      break;
-    default:
-      TORCH_CHECK(false, "invariant_gemm: unsupported dtype ", dtype);
+    case torch::kFloat: fma(packed.data_ptr<float>()); break;
+    case torch::kBFloat16: fma(reinterpret_cast<const c10::BFloat16*>(packed.data_ptr())); break;
+    case torch::kHalf: fma(reinterpret_cast<const c10::Half*>(packed.data_ptr())); break;
+    default: TORCH_CHECK(false, "invariant_gemm: unsupported dtype ", dtype);
   }
   return y;
 }

@@ -61,7 +61,8 @@ def test_dense_layer_is_batch_and_chunk_invariant_on_every_path(dtype, shape):
 
         _assert_rows_invariant(op32, x)
         assert op32(x).dtype == torch.float32
-        assert torch.equal(op32(x).to(dtype), op(x)) or dtype == torch.float32
+        if dtype != torch.float32:  # rounded once, the same way
+            assert torch.equal(op32(x).to(dtype), op(x))
         want32 = reference.linear(x.double(), weight.double(), bias.double()).float()
         torch.testing.assert_close(op32(x), want32, atol=1e-4, rtol=1e-4)
 
