@@ -18,3 +18,7 @@ class InvalidRequestError(PdserveError, ValueError):
 
 class ModelLoadError(PdserveError):
     """The model path is missing, unreadable, or of an architecture we do not run."""
+
+
+class WorkerBusyError(PdserveError):
+    """A worker's waiting queue is full (`--max-pending`): retry later or elsewhere."""

@@ -1,15 +1,24 @@
 """Per-request sampling settings, validated once when a request enters the engine.
 
 Limits follow the usual OpenAI / vLLM meanings: temperature 0 means greedy, top_k -1 means
-no top-k, top_p in (0, 1]. A bad value raises `InvalidRequestError` naming the field."""
+no top-k, top_p in (0, 1]. A temperature below `GREEDY_BELOW` is greedy too (as in vLLM):
+dividing logits by a subnormal temperature overflows them to inf and the softmax to NaN.
+Stop strings are bounded (count and length) so that a request cannot make every step's stop
+check slow. A bad value raises `InvalidRequestError` naming the field."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = 2**64 - 1
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -31,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> SamplingParams:
         """Raise `InvalidRequestError` for the first field out of range; return self."""
@@ -48,11 +57,16 @@ class SamplingParams:
                 "min_tokens",
                 f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
             )
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+        if (
+            not _is_number(self.temperature)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise InvalidRequestError(
-                "temperature", f"must be a number >= 0 (0 is greedy), got {self.temperature!r}"
+                "temperature",
+                f"must be a finite number >= 0 (0 is greedy), got {self.temperature!r}",
             )
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if (
             isinstance(self.top_k, bool)
@@ -64,17 +78,39 @@ class SamplingParams:
                 "top_k", f"must be -1 (disabled) or at least 1, got {self.top_k!r}"
             )
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= MAX_SEED
         ):
-            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+            raise InvalidRequestError("seed", f"must be an integer in [0, 2^64), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                "stop", f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise InvalidRequestError(
+                "stop", f"each string at most {MAX_STOP_CHARS} characters, got {longest}"
+            )
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
             raise InvalidRequestError("stop_token_ids", "must be a list of token ids >= 0")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 "logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
             )
         return self
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)

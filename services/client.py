@@ -26,6 +26,16 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)"
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument(
+        "--api-key",
+        default=env("api_key"),
+        help="the coordinator's API key, sent as 'authorization: Bearer KEY' (prefer "
+        "PDSERVE_API_KEY: a flag shows in the process list)",
+    )
+
+
+def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
 
 
 def _sampling(args: argparse.Namespace) -> generate_pb2.SamplingParams:
@@ -56,7 +66,7 @@ def run_complete(args: argparse.Namespace) -> int:
         else:
             request = generate_pb2.GenerateRequest(prompt=args.prompt, sampling=_sampling(args))
         try:
-            _print_stream(stub.Generate(request))
+            _print_stream(stub.Generate(request, metadata=_metadata(args)))
         except grpc.RpcError as e:
             print(f"pdserve complete: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -82,7 +92,7 @@ def run_chat(args: argparse.Namespace) -> int:
             messages.append(generate_pb2.ChatMessage(role="user", content=line))
             request = generate_pb2.GenerateRequest(messages=messages, sampling=_sampling(args))
             try:
-                answer = _print_stream(stub.Generate(request))
+                answer = _print_stream(stub.Generate(request, metadata=_metadata(args)))
             except grpc.RpcError as e:
                 print(f"pdserve chat: {e.code().name}: {e.details()}", file=sys.stderr)
                 messages.pop()

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 from transformers import AutoTokenizer
 
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.services.convert import logprobs_to_proto
 from pdserve.services.frontend import Frontend, usage
 from pdserve.services.worker import Worker
@@ -33,10 +33,13 @@ class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         loop = self.worker.loop
         try:
-            parsed = self.frontend.parse(request)
+            parsed = await self.frontend.parse_async(request)
             await loop.add(parsed.token_ids, parsed.params, parsed.request_id)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except WorkerBusyError as e:
+            self.worker.metrics.refused("max_pending")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         async for out in loop.stream(parsed.request_id):
             response = generate_pb2.GenerateResponse(
                 request_id=parsed.request_id,

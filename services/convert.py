@@ -32,8 +32,6 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         min_tokens=int(sampling.min_tokens),
         logprobs=int(sampling.logprobs) if sampling.HasField("logprobs") else None,
     )
-    if params.temperature != params.temperature:  # nan
-        raise InvalidRequestError("sampling.temperature", "must be a number, got nan")
     try:
         return params.validate()
     except InvalidRequestError as e:

@@ -10,6 +10,7 @@ kernels, so the event loop keeps serving RPCs while a step computes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.request import Request
 from pdserve.common.sampling_params import SamplingParams
 
@@ -42,6 +43,9 @@ class EngineLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
+        # Requests that may wait for the batch at once (0: no limit); more are refused.
+        self.max_pending = 0
+        self._adding = 0  # submitted to the engine thread, not yet in its waiting queue
 
     def start(self) -> None:
         self._thread.start()
@@ -74,11 +78,20 @@ class EngineLoop:
         prefill_only: bool = False,
     ) -> Request:
         """Queue a request; its outputs go to `stream(request_id)`. If the caller is
-        cancelled meanwhile, the request is dropped once the engine has it."""
+        cancelled meanwhile, the request is dropped once the engine has it. Raises
+        `WorkerBusyError` when `max_pending` requests already wait."""
+        waiting = len(self.engine.scheduler.waiting) + self._adding
+        if self.max_pending and waiting >= self.max_pending:
+            raise WorkerBusyError(
+                f"this worker has {waiting} requests waiting, its limit (--max-pending "
+                f"{self.max_pending}); retry later or elsewhere"
+            )
         self.open_stream(request_id)
+        self._adding += 1
         added = self.submit(
             lambda: self.engine.add_request(prompt, params, request_id, prefill_only)
         )
+        added.add_done_callback(self._on_added)
         try:
             return await asyncio.shield(asyncio.wrap_future(added))
         except asyncio.CancelledError:
@@ -88,6 +101,13 @@ class EngineLoop:
         except BaseException:
             self._queues.pop(request_id, None)
             raise
+
+    def _on_added(self, _: Future[Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed
+            self._loop.call_soon_threadsafe(self._added)
+
+    def _added(self) -> None:
+        self._adding -= 1
 
     def open_stream(self, request_id: str) -> None:
         """Route a request's outputs to a queue for `stream`."""

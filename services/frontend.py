@@ -5,9 +5,13 @@ prompt must fit the model's context. Every refusal names the field and the limit
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.prompts import Prompt, tokenize_prompt
@@ -29,11 +33,53 @@ class ParsedRequest:
     params: SamplingParams
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for: the longest entry of the
+    vocabulary (byte-level entries spell one byte per character, so decoded text is never
+    longer)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
 class Frontend:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
+        # One thread: a Rust-backed tokenizer used from two threads can fail ("Already
+        # borrowed"), and one thread keeps tokenizing from taking both cores from the engine.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
+
+    async def parse_async(
+        self, request: generate_pb2.GenerateRequest, fill_context: bool = False
+    ) -> ParsedRequest:
+        """`parse` on the tokenizer's thread; the cheap checks run first, on the caller's."""
+        self.check_size(request)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.parse, request, fill_context)
+
+    def check_size(self, request: generate_pb2.GenerateRequest) -> None:
+        """Refuse a prompt that cannot fit the context, from its size alone."""
+        if len(request.token_ids) >= self.max_model_len:
+            raise ContextLengthError(
+                "token_ids",
+                f"{len(request.token_ids)} tokens leaves no room to generate within the "
+                f"model's context of {self.max_model_len} tokens",
+            )
+        if len(request.messages) >= self.max_model_len:
+            raise ContextLengthError(
+                "messages",
+                f"{len(request.messages)} messages cannot fit the model's context of "
+                f"{self.max_model_len} tokens",
+            )
+        field = "messages" if request.messages else "prompt"
+        chars = len(request.prompt) + sum(len(m.content) + len(m.role) for m in request.messages)
+        if chars > self.max_prompt_chars:
+            raise ContextLengthError(
+                field,
+                f"{chars} characters cannot fit the model's context of {self.max_model_len} "
+                f"tokens (at most {self.max_prompt_chars} characters)",
+            )
 
     def parse(
         self, request: generate_pb2.GenerateRequest, fill_context: bool = False
@@ -68,7 +114,13 @@ class Frontend:
         else:
             prompt = list(request.token_ids)
         params = params_from_proto(request.sampling)
-        token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        self.check_size(request)
+        try:
+            token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        except TemplateError as e:
+            raise InvalidRequestError(
+                "messages", f"the model's chat template refused them: {e}"
+            ) from None
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 given[0],

@@ -20,19 +20,43 @@ from prometheus_client import start_http_server
 logger = logging.getLogger(__name__)
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts as token ids
+# Sent messages can carry a whole prefix index (status reports); received ones are bounded
+# by what a request may hold (`message_limit`).
+MAX_SEND_BYTES = 64 * 1024 * 1024
+MIN_RECEIVE_BYTES = 1024 * 1024
+
+
+def message_limit(max_prompt_chars: int) -> int:
+    """The largest request worth reading: a prompt of `max_prompt_chars` characters, each
+    up to 4 bytes of UTF-8 (6 once escaped in JSON), plus room for the other fields."""
+    return MIN_RECEIVE_BYTES + 6 * max_prompt_chars
+
+
+def worker_message_limit(max_model_len: int) -> int:
+    """A worker's requests carry token ids (at most 5 bytes each) and bounded fields."""
+    return MIN_RECEIVE_BYTES + 5 * max_model_len
 
 
 class ServiceProcess:
-    """One service: register servicers with `server`, then `await run()`."""
+    """One service: register servicers with `server`, then `await run()`.
+    `interceptors` see every call (the API key's door); `max_message_bytes` bounds what
+    a caller may send in one message."""
 
-    def __init__(self, host: str, port: int, metrics_port: int | None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics_port: int | None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_message_bytes: int = MIN_RECEIVE_BYTES,
+    ) -> None:
         self.server = grpc.aio.server(
+            interceptors=list(interceptors),
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

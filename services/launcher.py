@@ -85,6 +85,17 @@ def endpoints(listening: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pdserve.services.auth import ApiKeys
+
+    ApiKeys.configured(args.api_key, args.api_key_file)  # refuse bad keys before starting
+    key_env = {
+        name: value
+        for name, value in (
+            ("PDSERVE_API_KEY", args.api_key),
+            ("PDSERVE_API_KEY_FILE", args.api_key_file),
+        )
+        if value
+    }
     roles = (
         ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     )
@@ -126,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 ),
             ],
             # The key goes by environment: a flag would show in the process list.
-            env={"PDSERVE_API_KEY": args.api_key} if args.api_key else None,
+            env=key_env,
         )
         children.append(coordinator)
         front = coordinator.wait_listening(START_TIMEOUT_S)

@@ -34,6 +34,12 @@ WAITING = Gauge(
 HELD = Gauge(
     "pdserve_kv_leases_held", "Prefilled requests whose KV blocks wait to be pulled", LABELS
 )
+REFUSED = Counter(
+    "pdserve_requests_refused",
+    "Requests refused before any work: max_pending (queue full), unknown_prefill_worker "
+    "(a KV handle naming an address this worker does not know)",
+    (*LABELS, "reason"),
+)
 # Counters as vLLM shapes them (tokens); fed by deltas of the scheduler's running counts.
 PREFIX_QUERIES = Counter(
     "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS
@@ -153,6 +159,9 @@ class WorkerMetrics:
         self.sync_prefix_cache()
         if engine.runner.expert_counter is not None:
             REGISTRY.register(MoeRoutingCollector(engine.runner, labels))
+
+    def refused(self, reason: str) -> None:
+        REFUSED.labels(**self.labels, reason=reason).inc()
 
     def sync_prefix_cache(self) -> None:
         """Add what the prefix cache counted since the last call (the engine thread calls

@@ -71,12 +71,26 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
             help="seconds prefilled blocks wait for a pull before they are freed "
             "(default: %(default)s)",
         )
+    g.add_argument(
+        "--max-pending",
+        type=int,
+        default=int(env("max_pending", "256") or 256),
+        help="requests that may wait (for a batch slot"
+        + (", or for KV blocks" if role == "decode" else "")
+        + ") before new ones are refused with RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    g.add_argument(
+        "--status-interval",
+        type=float,
+        default=float(env("status_interval", "0.1") or 0.1),
+        help="seconds between this worker's status reports to coordinators (default: %(default)s)",
+    )
     if role == "decode":
         g.add_argument(
-            "--max-pending",
-            type=int,
-            default=int(env("max_pending", "256") or 256),
-            help="requests that may wait for KV blocks before new ones are refused "
-            "with RESOURCE_EXHAUSTED (default: %(default)s)",
+            "--prefill-workers",
+            default=env("prefill_workers", ""),
+            help="comma-separated host:port of prefill workers this worker may pull KV from, "
+            "beside the prefill pools its coordinators name; a KV handle naming any other "
+            "address is refused (PERMISSION_DENIED) before a connection is made",
         )
     add_engine_args(p)

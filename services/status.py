@@ -3,7 +3,12 @@ stream to each coordinator. Every `interval` the hub takes, on the engine thread
 steps, the prefix cache's changes (hashes stored and evicted) and the load (running,
 waiting, free blocks), and sends them to every watcher; a new watcher's first report is the
 whole index, so a restarted coordinator rebuilds its view from the truth. Draining (SIGTERM)
-is reported at once, so routers stop sending new work before the worker goes away."""
+is reported at once, so routers stop sending new work before the worker goes away.
+
+Bounded for every watcher: the interval is the worker's (`--status-interval`), a watcher
+that stops reading has at most `WATCHER_QUEUE` reports queued (past that its queue is
+emptied and its next report is a fresh snapshot, so it resyncs instead of growing), and at
+most `MAX_WATCHERS` watch at once."""
 
 from __future__ import annotations
 
@@ -18,11 +23,13 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 DEFAULT_INTERVAL_S = 0.1
 MIN_INTERVAL_S = 0.05
+WATCHER_QUEUE = 32
+MAX_WATCHERS = 64
 IDLE_DRAIN_S = 1.0  # with no watcher, the event log is still emptied this often
 
 
 class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.worker = worker
         engine = worker.loop.engine
         self.pool = engine.kv_cache.pool
@@ -30,7 +37,8 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         self.block_size = engine.kv_cache.block_size
         self._watchers: dict[int, asyncio.Queue[worker_pb2.WatchResponse | None]] = {}
         self._fresh: set[int] = set()  # watchers whose first report (the index) is due
-        self._interval = DEFAULT_INTERVAL_S
+        self._interval = max(MIN_INTERVAL_S, interval_s)
+        self.resyncs = 0  # lagging watchers sent a fresh snapshot instead of a backlog
         self._wake = asyncio.Event()
         self.draining = False
         self._task: asyncio.Task[None] | None = None
@@ -44,7 +52,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for queue in self._watchers.values():
-            queue.put_nowait(None)
+            _end(queue)
 
     async def drain(self, _grace_s: float) -> None:
         """Tell every watcher now that this worker takes nothing new, then end their streams
@@ -53,15 +61,19 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         self._wake.set()
         await asyncio.sleep(2 * self._interval + 0.05)  # the draining report goes out
         for queue in self._watchers.values():
-            queue.put_nowait(None)
+            _end(queue)
 
     async def Watch(
         self, request: worker_pb2.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WatchResponse]:
-        if request.interval_s:
-            self._interval = max(MIN_INTERVAL_S, min(self._interval, request.interval_s))
+        # request.interval_s is not honoured: one watcher must not set everyone's rate.
+        if len(self._watchers) >= MAX_WATCHERS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this worker already has {MAX_WATCHERS} status watchers",
+            )
         key = id(context)
-        queue: asyncio.Queue[worker_pb2.WatchResponse | None] = asyncio.Queue()
+        queue: asyncio.Queue[worker_pb2.WatchResponse | None] = asyncio.Queue(WATCHER_QUEUE)
         self._watchers[key] = queue
         self._fresh.add(key)
         self._wake.set()
@@ -103,7 +115,14 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 else:
                     report.stored.extend(stored)
                     report.evicted.extend(evicted)
-                queue.put_nowait(report)
+                if queue.full():  # a watcher not reading: drop its backlog, resync it
+                    while not queue.empty():
+                        queue.get_nowait()
+                    self._fresh.add(key)
+                    self.resyncs += 1
+                    self._wake.set()
+                else:
+                    queue.put_nowait(report)
 
     def _collect(self, with_index: bool) -> tuple[list[tuple[bool, int]], list[int] | None, dict]:
         """On the engine thread: the cache's changes, its whole index if asked, the load."""
@@ -116,3 +135,10 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         }
         events = self.pool.drain_events()
         return events, list(self.pool.cached) if with_index else None, load
+
+
+def _end(queue: asyncio.Queue[worker_pb2.WatchResponse | None]) -> None:
+    """End a watcher's stream, even when its queue is full."""
+    while queue.full():
+        queue.get_nowait()
+    queue.put_nowait(None)

@@ -19,7 +19,7 @@ from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
 from pdserve.services.expert_parallel import current_group
-from pdserve.services.grpc_server import ServiceProcess
+from pdserve.services.grpc_server import ServiceProcess, message_limit, worker_message_limit
 from pdserve.services.lockstep_loop import LockstepEngineLoop
 from pdserve.services.metrics import WorkerMetrics
 
@@ -55,10 +55,17 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     engine = load_engine(args)
     group = current_group()
     rank = group.rank if group else 0
+    if role == "colocated":  # its GenerateService also takes prompts as text
+        from pdserve.services.frontend import longest_token_chars
+
+        limit = message_limit(engine.max_model_len * longest_token_chars(engine.tokenizer))
+    else:
+        limit = worker_message_limit(engine.max_model_len)
     process = ServiceProcess(
         args.host,
         args.port + rank if args.port else args.port,
         args.metrics_port + rank if args.metrics_port else args.metrics_port,
+        max_message_bytes=limit,
     )
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
     address = advertised_address(args.advertise_address, args.host, process.port)
@@ -68,6 +75,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         worker_id = ranks[rank]["worker_id"]
     loop_type = EngineLoop if group is None else LockstepEngineLoop
     loop = loop_type(engine, asyncio.get_running_loop())
+    loop.max_pending = args.max_pending
     model = os.path.basename(str(engine.model_dir))
     transport = None
     if role != "colocated":
@@ -89,7 +97,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     from pdserve.services.status import StatusHub
     from pdserve.v1 import worker_pb2_grpc
 
-    status = StatusHub(worker)
+    status = StatusHub(worker, args.status_interval)
     worker_pb2_grpc.add_WorkerStatusServiceServicer_to_server(status, process.server)
     names.append("pdserve.v1.WorkerStatusService")
     loop.housekeeping.append(worker.metrics.sync_prefix_cache)
@@ -172,7 +180,12 @@ def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namesp
         from pdserve.services.decode.servicer import DecodeServicer
 
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(worker, args.max_pending), process.server
+            DecodeServicer(
+                worker,
+                args.max_pending,
+                [a.strip() for a in args.prefill_workers.split(",") if a.strip()],
+            ),
+            process.server,
         )
         return ["pdserve.v1.DecodeService"]
     from pdserve.services.colocated import ColocatedServicer

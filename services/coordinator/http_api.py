@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
+import logging
+import re
 import socket
 import time
 import uuid
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.services.auth import ApiKeys
 from pdserve.services.coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.services.coordinator.openai_responses import (
     Choice,
@@ -35,6 +37,8 @@ from pdserve.services.coordinator.openai_responses import (
 )
 from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
 from pdserve.v1 import generate_pb2
+
+logger = logging.getLogger(__name__)
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -47,6 +51,8 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 RETRY_AFTER_S = 1
+# A request id travels back in a header: printable ASCII only.
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 # Pydantic names a union's branch in an error's location ("prompt.list[int].0"); drop them.
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "function-after", "nullable")
 
@@ -105,8 +111,8 @@ def api_error(e: RequestFailed | InvalidRequestError) -> ApiError:
 
 class OpenAIServer:
     """The FastAPI app over a `Coordinator`. `served_models`: the ids clients may name
-    (the first is the default when a request names none); `api_key`: when set, `/v1/*`
-    needs `Authorization: Bearer <api_key>`."""
+    (the first is the default when a request names none); `api_keys`: when given, `/v1/*`
+    needs `Authorization: Bearer <one of them>`; `max_body_bytes`: larger bodies get 413."""
 
     def __init__(
         self,
@@ -114,7 +120,8 @@ class OpenAIServer:
         tokenizer: Any,
         served_models: list[str],
         max_model_len: int,
-        api_key: str | None = None,
+        api_keys: ApiKeys | None = None,
+        max_body_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         if not served_models:
             raise ValueError("served_models: give at least one model id")
@@ -122,12 +129,14 @@ class OpenAIServer:
         self.texts = TokenTexts(tokenizer)
         self.served_models = served_models
         self.max_model_len = max_model_len
-        self.api_key = api_key
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
         self.started = int(time.time())
         self.app = self._build()
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
 
         @app.exception_handler(ApiError)
         async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -142,8 +151,11 @@ class OpenAIServer:
             return ApiError(e.status_code, str(e.detail)).response()
 
         @app.exception_handler(Exception)
-        async def on_crash(_: Request, e: Exception) -> JSONResponse:
-            return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
+        async def on_crash(request: Request, e: Exception) -> JSONResponse:
+            # The details stay in the log: they can name internals a client must not see.
+            ref = uuid.uuid4().hex[:12]
+            logger.error("internal error %s on %s", ref, request.url.path, exc_info=e)
+            return ApiError(500, f"internal error (reference {ref})").response()
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -179,12 +191,8 @@ class OpenAIServer:
         }
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+        if self.api_keys is not None and not self.api_keys.allows(
+            request.headers.get("authorization", "")
         ):
             raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
 
@@ -205,6 +213,9 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise api_error(e) from None
         request_id = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+        if not REQUEST_ID.fullmatch(request_id):
+            param = "request_id" if body.request_id else "x-request-id"
+            raise ApiError(400, f"{param}: 1 to 256 printable ASCII characters", param)
         for k, r in enumerate(requests):
             r.request_id = request_id if len(requests) == 1 else f"{request_id}-{k}"
         fmt = CompletionFormat(chat, request_id, model, self.texts)
@@ -369,6 +380,40 @@ def validation_error(e: RequestValidationError) -> ApiError:
     else:
         message = f"{param}: {first.get('msg', 'invalid')}"
     return ApiError(400, message, param)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413, by its Content-Length
+    before anything is read, or as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = ApiError(
+            413,
+            f"body: larger than this server's limit of {self.max_bytes} bytes",
+            "body",
+            "request_too_large",
+        )
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await too_large.response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, too_large.message)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class _EmbeddedServer(uvicorn.Server):

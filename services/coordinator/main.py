@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pdserve.services.coordinator.router import DEFAULT_POLICY, POLICIES, RouterWeights
 
 if TYPE_CHECKING:
+    from pdserve.services.auth import ApiKeys
     from pdserve.services.coordinator.discovery import Discovery
 from pdserve.services.engine_args import env, int_env
 from pdserve.services.service_args import add_service_args
@@ -127,8 +128,14 @@ def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
     g.add_argument(
         "--api-key",
         default=env("api_key"),
-        help="when set, /v1/* needs 'Authorization: Bearer KEY' (prefer PDSERVE_API_KEY: "
-        "a flag shows in the process list)",
+        help="when set, HTTP /v1/* and gRPC GenerateService need 'authorization: Bearer "
+        "KEY' (prefer PDSERVE_API_KEY: a flag shows in the process list)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=env("api_key_file"),
+        help="file of accepted keys, one per line (read again when it changes: rotate by "
+        "adding the new key, moving clients, then removing the old one)",
     )
     g.add_argument(
         "--served-model-name",
@@ -160,21 +167,25 @@ def run_coordinator(args: argparse.Namespace) -> int:
         "decode": _split(args.decode_workers),
         "colocated": _split(args.colocated_workers),
     }
+    from pdserve.services.auth import ApiKeys
+
     discovery = build_discovery(args, static)  # raises ValueError naming what is missing
-    code = asyncio.run(_serve(args, discovery))
+    keys = ApiKeys.configured(args.api_key, args.api_key_file)  # refuses an empty key
+    code = asyncio.run(_serve(args, discovery, keys))
     sys.stdout.flush()
     os._exit(code)
 
 
-async def _serve(args: argparse.Namespace, discovery: Discovery) -> int:
+async def _serve(args: argparse.Namespace, discovery: Discovery, keys: ApiKeys | None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.common.model_files import resolve_model
     from pdserve.common.prompts import max_model_len
     from pdserve.common.tracing import setup_tracing, shutdown_tracing
+    from pdserve.services.auth import ApiKeyInterceptor
     from pdserve.services.coordinator.servicer import CoordinatorServicer
     from pdserve.services.frontend import Frontend
-    from pdserve.services.grpc_server import ServiceProcess
+    from pdserve.services.grpc_server import ServiceProcess, message_limit
     from pdserve.v1 import decode_pb2_grpc, generate_pb2_grpc, prefill_pb2_grpc
 
     setup_tracing("pdserve-coordinator")
@@ -201,10 +212,20 @@ async def _serve(args: argparse.Namespace, discovery: Discovery) -> int:
         "colocated": WorkerPool("colocated", [], generate_pb2_grpc.GenerateServiceStub, **routing),
     }
     colocated = "colocated" in discovery.roles
+    if not colocated:
+        from pdserve.services.coordinator.prefill_names import PrefillNames
+
+        PrefillNames(pools["prefill"], pools["decode"])  # hooks itself into both pools
     watching = asyncio.ensure_future(
         discovery.run(lambda role, addresses: pools[role].set_addresses(addresses))
     )
-    process = ServiceProcess(args.host, args.port, args.metrics_port)
+    process = ServiceProcess(
+        args.host,
+        args.port,
+        args.metrics_port,
+        interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+        max_message_bytes=message_limit(frontend.max_prompt_chars),
+    )
     identity = {
         "model": model_dir.name,
         "worker_id": f"coordinator-{process.port}",
@@ -227,7 +248,12 @@ async def _serve(args: argparse.Namespace, discovery: Discovery) -> int:
 
         served = _split(args.served_model_name or "") or [model_dir.name]
         api = OpenAIServer(
-            coordinator, frontend.tokenizer, served, frontend.max_model_len, args.api_key
+            coordinator,
+            AutoTokenizer.from_pretrained(model_dir),  # its own: the frontend's has a thread
+            served,
+            frontend.max_model_len,
+            keys,
+            max_body_bytes=message_limit(frontend.max_prompt_chars),
         )
         http = HttpServer(api.app, args.host, args.http_port)
         await http.start()

@@ -7,10 +7,13 @@ the same code as the gRPC API's, so both refuse a bad value with the same words.
 Choices we made where the API leaves room: unknown fields are ignored (as OpenAI's own
 server does); fields we do not implement (tools, penalties, logit_bias, echo, best_of,
 suffix) are refused when set to anything but their neutral value, naming the field; `n`
-choices run as n requests, and with a `seed` choice i uses `seed + i`."""
+choices run as n requests, and with a `seed` choice i uses `seed + i`. Every number is
+checked against its protobuf field's range and every string for UTF-8 before the message is
+filled, so no value a client can send makes filling it fail."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +23,30 @@ from pdserve.common.sampling_params import MAX_LOGPROBS
 from pdserve.v1 import generate_pb2
 
 MAX_CHOICES = 16  # n x prompts per request
+UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _in_range(name: str, value: int | None, lo: int, hi: int) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise InvalidRequestError(name, f"must be in [{lo}, {hi}], got {value}")
+
+
+def _finite(name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise InvalidRequestError(name, f"must be a finite number, got {value}")
+
+
+def _utf8(name: str, text: str | None) -> str:
+    """`text`, which must encode as UTF-8 (JSON lets a string carry a lone surrogate)."""
+    if text is None:
+        return ""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(name, f"is not valid Unicode text ({e.reason})") from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -65,10 +92,17 @@ class _SamplingFields(BaseModel):
             raise InvalidRequestError("n", f"must be between 1 and {MAX_CHOICES}, got {self.n}")
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, choice: int) -> Any:
-        sampling = generate_pb2.SamplingParams(
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            ignore_eos=self.ignore_eos,
-        )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for i, text in enumerate(stop):
+            _utf8(f"stop[{i}]", text)
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be at least 1, got {max_tokens}")
+        _in_range("max_tokens", max_tokens, 1, UINT32_MAX)
+        _in_range("min_tokens", self.min_tokens, 0, UINT32_MAX)
+        _in_range("top_k", self.top_k, INT32_MIN, INT32_MAX)
+        _finite("temperature", self.temperature)
+        _finite("top_p", self.top_p)
+        sampling = generate_pb2.SamplingParams(stop=stop, ignore_eos=self.ignore_eos)
         for name, value in (
             ("max_tokens", max_tokens),
             ("temperature", self.temperature),
@@ -85,11 +119,9 @@ class _SamplingFields(BaseModel):
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         sampling.min_tokens = self.min_tokens
-        if any(t < 0 for t in self.stop_token_ids or ()):
-            raise InvalidRequestError("stop_token_ids", "must be token ids >= 0")
+        if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids or ()):
+            raise InvalidRequestError("stop_token_ids", f"must be token ids in [0, {UINT32_MAX}]")
         sampling.stop_token_ids.extend(self.stop_token_ids or ())
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be at least 1, got {max_tokens}")
         return sampling
 
     @property
@@ -107,7 +139,7 @@ class ChatMessage(BaseModel):
         if self.content is None:
             return ""
         if isinstance(self.content, str):
-            return self.content
+            return _utf8(f"messages[{index}].content", self.content)
         texts = []
         for j, part in enumerate(self.content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -115,7 +147,7 @@ class ChatMessage(BaseModel):
                     f"messages[{index}].content[{j}]",
                     f"only text parts are supported, got type {part.get('type')!r}",
                 )
-            texts.append(part["text"])
+            texts.append(_utf8(f"messages[{index}].content[{j}].text", part["text"]))
         return "".join(texts)
 
 
@@ -147,7 +179,7 @@ class ChatCompletionRequest(_SamplingFields):
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         messages = [
-            generate_pb2.ChatMessage(role=m.role, content=m.text(i))
+            generate_pb2.ChatMessage(role=_utf8(f"messages[{i}].role", m.role), content=m.text(i))
             for i, m in enumerate(self.messages)
         ]
         return [
@@ -203,10 +235,12 @@ class CompletionRequest(_SamplingFields):
                 if isinstance(p, str):
                     if not p:
                         raise InvalidRequestError("prompt", "must not be empty")
-                    request.prompt = p
+                    request.prompt = _utf8("prompt", p)
                 else:
-                    if any(t < 0 for t in p):
-                        raise InvalidRequestError("prompt", "token ids must be >= 0")
+                    if any(not 0 <= t <= UINT32_MAX for t in p):
+                        raise InvalidRequestError(
+                            "prompt", f"token ids must be in [0, {UINT32_MAX}]"
+                        )
                     request.token_ids.extend(p)
                 requests.append(request)
         return requests

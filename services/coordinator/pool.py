@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,10 @@ class WorkerPool:
         self._closed = False
         self._pending = list(addresses)
         self._background: set[asyncio.Task[None]] = set()
+        # Called once a worker answers SERVING, before it is routable (a failure retries).
+        self.on_connect: Callable[[WorkerEndpoint], Awaitable[None]] | None = None
+        # Called whenever discovery changes the pool's membership.
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def policy(self) -> str:
@@ -100,6 +104,8 @@ class WorkerPool:
         for address in set(self.workers) - wanted:
             self._retire(self.workers.pop(address))
         self._changed.set()
+        if self.on_change is not None:
+            self.on_change()
 
     def _retire(self, worker: WorkerEndpoint) -> None:
         self._set_healthy(worker, False)
@@ -226,6 +232,8 @@ class WorkerPool:
                 reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=STALE_AFTER_S)
                 if reply.status != health_pb2.HealthCheckResponse.SERVING:
                     raise StopAsyncIteration
+                if self.on_connect is not None:
+                    await self.on_connect(worker)
 
                 reports = aiter(call)
                 while True:

@@ -70,8 +70,14 @@ def worker_request_id(request_id: str) -> str:
     return f"{request_id}.{secrets.token_hex(4)}"
 
 
+# A worker refusing the coordinator itself (a certificate, a pull list) is the system's own
+# wiring failing, not the client's doing: the client sees UNAVAILABLE.
+_INTERNAL_REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+
+
 def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> RequestFailed:
-    return RequestFailed(e.code(), f"{role} worker {address}: {e.details()}")
+    code = grpc.StatusCode.UNAVAILABLE if e.code() in _INTERNAL_REFUSALS else e.code()
+    return RequestFailed(code, f"{role} worker {address}: {e.details()}")
 
 
 # A call that ended so means the worker (or the way to it) is gone, not that the request is
@@ -146,7 +152,7 @@ class Coordinator:
             timer.failed("overloaded", message)
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         try:
-            parsed = self.frontend.parse(request, fill_context)
+            parsed = await self.frontend.parse_async(request, fill_context)
         except InvalidRequestError as e:
             timer.failed("invalid_argument", str(e))
             raise RequestFailed(

@@ -10,21 +10,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pdserve.common.engine import RequestOutput
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
 from pdserve.services.convert import logprobs_to_proto, worker_request
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
+from pdserve.services.decode.prefill_peers import PrefillPeers, UnknownPrefillWorker
 from pdserve.services.worker import Worker
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,22 @@ class PullFailed(RuntimeError):
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, worker: Worker, max_pending: int) -> None:
+    def __init__(
+        self, worker: Worker, max_pending: int, prefill_workers: Iterable[str] = ()
+    ) -> None:
         self.worker = worker
         self.admission = Admission(worker.loop.engine, max_pending)
         worker.loop.housekeeping.append(self._housekeeping)
-        self._prefill_stubs: dict[str, prefill_pb2_grpc.PrefillServiceStub] = {}
+        self.peers = PrefillPeers(prefill_workers)
+
+    async def SetPrefillWorkers(
+        self, request: decode_pb2.SetPrefillWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.SetPrefillWorkersResponse:
+        try:
+            self.peers.set_named(request.coordinator_id, request.addresses)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return decode_pb2.SetPrefillWorkersResponse()
 
     def _housekeeping(self) -> None:
         self.admission.admit()
@@ -73,6 +85,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         engine = loop.engine
         rid = request.request_id
         try:
+            self.peers.stub(request.kv_handle.grpc_address)  # before anything is held
+        except UnknownPrefillWorker as e:
+            self.worker.metrics.refused("unknown_prefill_worker")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        try:
             prompt, params = worker_request(rid, request.prompt_token_ids, request.sampling)
             self._check(request)
             first = request.first_token_id
@@ -85,6 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             try:
                 admitted = await loop.call(lambda: self.admission.submit(req))
             except AdmissionQueueFull as e:
+                self.worker.metrics.refused("max_pending")
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             # Waiting for blocks past the prefill lease would only pull from nothing.
             lease_left = request.kv_handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
@@ -130,9 +148,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             req = await loop.add(prompt, params, request.request_id)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        yield decode_pb2.DecodeResponse(pulled_blocks=0)
+        except WorkerBusyError as e:
+            self.worker.metrics.refused("max_pending")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finished = False
         try:
+            # Inside the try: a caller gone at this first message must free the request too.
+            yield decode_pb2.DecodeResponse(pulled_blocks=0)
             async for out in loop.stream(request.request_id):
                 finished = out.finished
                 response = _response(out)
@@ -140,6 +162,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     response.cached_tokens = out.cached_tokens
                 yield response
         finally:
+            if not finished:  # the stream never started, or ended early: end it here
+                loop.close_stream(request.request_id)
+                await asyncio.shield(loop.call(lambda: loop.engine.drop(req)))
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
             if finished:
@@ -190,7 +215,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         w = self.worker
         transport = w.transport
         assert transport is not None
-        stub = self._prefill_stub(handle.grpc_address)
+        stub = self.peers.stub(handle.grpc_address)
         total = len(handle.block_ids)
         if num_cached >= total:  # everything is cached here: let prefill free its copy
             try:
@@ -246,13 +271,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
         transfer.end()
         return result.num_blocks
-
-    def _prefill_stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
-        stub = self._prefill_stubs.get(address)
-        if stub is None:
-            channel = grpc.aio.insecure_channel(address)
-            stub = self._prefill_stubs[address] = prefill_pb2_grpc.PrefillServiceStub(channel)
-        return stub
 
 
 def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:

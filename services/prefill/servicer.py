@@ -12,7 +12,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry.trace import SpanKind
 
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, record_phases, tracer
@@ -72,6 +72,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             req = await loop.add(prompt, params, request.request_id, prefill_only=True)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except WorkerBusyError as e:
+            self.worker.metrics.refused("max_pending")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         try:
             final = None
             async for out in loop.stream(request.request_id):

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
 import re
 import signal
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -97,3 +100,29 @@ def running(role: str, *args: str, env: dict[str, str] | None = None) -> Iterato
         yield service
     finally:
         service.stop()
+
+
+def post(address: str, path: str, body: object, headers: dict | None = None) -> tuple:
+    """Raw HTTP POST of JSON (or of `body` bytes as they are): (status, headers, parsed
+    JSON body)."""
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    payload = json.loads(response.read() or b"null")
+    conn.close()
+    return response.status, response.headers, payload
+
+
+def wait_idle(workers: dict, free: dict[str, int], timeout_s: float = 30.0) -> dict[str, int]:
+    """Free blocks per worker (`workers[role]`) once they are back to `free` (or the
+    deadline passed): frees happen just after a stream ends."""
+    deadline = time.monotonic() + timeout_s
+    now = {}
+    while time.monotonic() < deadline:
+        now = {role: workers[role].free_blocks() for role in free}
+        if now == free:
+            break
+        time.sleep(0.2)
+    return now

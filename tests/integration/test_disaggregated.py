@@ -6,6 +6,7 @@ leases and dead workers must free every block and end in a clear error, never a 
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import time
 
 import grpc
@@ -253,6 +254,9 @@ def test_killed_prefill_worker_gives_a_clear_error(cluster):
     decode = cluster["decode"]
     before = decode.free_blocks()
     with running("prefill", *WORKER_ARGS) as doomed:
+        # Named to decode as its coordinator would (decode pulls only from workers it knows).
+        cluster["decode_stub"].SetPrefillWorkers(decode_pb2.SetPrefillWorkersRequest(
+            coordinator_id="test-doomed", addresses=[doomed.grpc]))  # fmt: skip
         stub = prefill_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(doomed.grpc))
         prompt = list(range(2000, 2300))
         reply = stub.Prefill(prefill_pb2.PrefillRequest(
@@ -268,6 +272,42 @@ def test_killed_prefill_worker_gives_a_clear_error(cluster):
     assert doomed.grpc in err.value.details()
     assert time.monotonic() - start_time < 35
     assert wait_free(decode, before) == before
+
+
+def test_a_kv_handle_naming_an_unknown_address_is_refused_without_connecting(cluster):
+    """A decode worker dials only prefill workers it knows: a handle naming anything else
+    gets PERMISSION_DENIED, no connection reaches that address, and no block is held."""
+    decode = cluster["decode"]
+    before = decode.free_blocks()
+    refused_before = decode.metric(
+        "pdserve_requests_refused_total", reason="unknown_prefill_worker"
+    )
+    prompt = list(range(3000, 3040))
+    reply = cluster["prefill_stub"].Prefill(
+        prefill_pb2.PrefillRequest(request_id="forged", prompt_token_ids=prompt, sampling=greedy())
+    )
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        trap.settimeout(1.0)
+        forged = kv_pb2.KvHandle()
+        forged.CopyFrom(reply.kv_handle)
+        forged.grpc_address = f"127.0.0.1:{trap.getsockname()[1]}"
+        with pytest.raises(grpc.RpcError) as err:
+            list(cluster["decode_stub"].Decode(decode_pb2.DecodeRequest(
+                request_id="forged", prompt_token_ids=prompt,
+                first_token_id=reply.first_token_id, sampling=greedy(),
+                kv_handle=forged), timeout=30))  # fmt: skip
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nothing ever dialled the named address
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "kv_handle.grpc_address" in err.value.details()
+    assert (
+        decode.metric("pdserve_requests_refused_total", reason="unknown_prefill_worker")
+        == refused_before + 1
+    )
+    assert wait_free(decode, before) == before
+    cluster["prefill_stub"].ReleaseKv(
+        prefill_pb2.ReleaseKvRequest(lease_id=reply.kv_handle.lease_id)
+    )
 
 
 def test_two_clients_may_use_the_same_request_id(cluster, offline):

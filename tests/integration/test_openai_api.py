@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import time
 
 import grpc
 import openai
 import pytest
 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
-from services import running, start
+from services import post, running, start, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -59,30 +58,6 @@ def client(http_address) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client) -> str:
     return client.models.list().data[0].id
-
-
-def post(address: str, path: str, body: object, headers: dict | None = None) -> tuple:
-    """Raw HTTP: (status, headers, parsed JSON body)."""
-    host, port = address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
-    response = conn.getresponse()
-    payload = json.loads(response.read() or b"null")
-    conn.close()
-    return response.status, response.headers, payload
-
-
-def wait_idle(cluster, free: dict[str, int], timeout_s: float = 30.0) -> dict[str, int]:
-    """Free blocks per worker once they are back to `free` (or the deadline passed)."""
-    deadline = time.monotonic() + timeout_s
-    now = {}
-    while time.monotonic() < deadline:
-        now = {role: cluster[role].free_blocks() for role in free}
-        if now == free:
-            break
-        time.sleep(0.2)
-    return now
 
 
 def test_models_lists_the_served_model(client, model):

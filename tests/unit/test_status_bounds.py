@@ -1,0 +1,98 @@
+"""A worker's status stream stays bounded whatever its watchers do: the report interval is
+the worker's (a watcher asking for another changes nothing), a watcher that stops reading
+holds at most `WATCHER_QUEUE` reports and then gets a fresh snapshot instead of a backlog,
+and at most `MAX_WATCHERS` watch at once. A stand-in worker; the real twin is every
+integration test's coordinator watching real workers."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from pdserve.services import status
+from pdserve.services.status import StatusHub
+from pdserve.v1 import worker_pb2
+
+
+class Pool:
+    num_free_blocks, num_blocks, cached = 10, 16, [11, 22]
+
+    def record_events(self) -> None:
+        pass
+
+    def drain_events(self) -> list:
+        return [(True, 33)]
+
+
+class Loop:
+    async def call(self, fn):
+        return fn()
+
+
+def fake_worker() -> SimpleNamespace:
+    engine = SimpleNamespace(
+        kv_cache=SimpleNamespace(pool=Pool(), block_size=16),
+        scheduler=SimpleNamespace(running=[], waiting=[]),
+    )
+    loop = Loop()
+    loop.engine = engine  # type: ignore[attr-defined]
+    return SimpleNamespace(
+        loop=loop, worker_id="w", role="prefill", group="", group_rank=0, group_size=1,
+        metrics=SimpleNamespace(extra_waiting=0),
+    )  # fmt: skip
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+def test_interval_is_the_workers_and_a_lagging_watcher_resyncs(monkeypatch) -> None:
+    monkeypatch.setattr(status, "WATCHER_QUEUE", 4)
+
+    async def main() -> None:
+        hub = StatusHub(fake_worker(), interval_s=0.05)  # type: ignore[arg-type]
+        hub.start()
+        lagging = hub.Watch(worker_pb2.WatchRequest(interval_s=0.001), Context())
+        first = await anext(lagging)
+        assert first.reset and list(first.stored) == [11, 22]
+        assert hub._interval == 0.05  # the watcher's 1 ms was not taken
+        await asyncio.sleep(0.8)  # ~16 reports were due; the watcher read none
+        [queue] = hub._watchers.values()
+        assert queue.qsize() <= 4 and hub.resyncs >= 1
+        for _ in range(8):  # its backlog was dropped: a fresh snapshot comes soon
+            report = await asyncio.wait_for(anext(lagging), 1.0)
+            if report.reset:
+                break
+        assert report.reset and list(report.stored) == [11, 22]
+        await lagging.aclose()
+        await hub.stop()
+
+    asyncio.run(main())
+
+
+def test_watchers_are_capped(monkeypatch) -> None:
+    monkeypatch.setattr(status, "MAX_WATCHERS", 2)
+
+    async def main() -> None:
+        hub = StatusHub(fake_worker(), interval_s=0.05)  # type: ignore[arg-type]
+        hub.start()
+        streams = [hub.Watch(worker_pb2.WatchRequest(), Context()) for _ in range(3)]
+        await anext(streams[0])
+        await anext(streams[1])
+        with pytest.raises(Aborted) as e:
+            await anext(streams[2])
+        assert e.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for s in streams[:2]:
+            await s.aclose()
+        assert not hub._watchers
+        await hub.stop()
+
+    asyncio.run(main())
