@@ -90,6 +90,12 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="one engine doing prefill and decode (the baseline), no KV transfer",
     )
+    serve.add_argument(
+        "--internal-tls",
+        action="store_true",
+        help="mTLS between the processes with a throwaway CA made at start (the public "
+        "ports stay plain unless --public-tls-cert/--public-tls-key are given)",
+    )
     add_service_args(serve, 50051)
     add_http_args(serve, 8000)
     add_engine_args(serve)

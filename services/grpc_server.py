@@ -17,6 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc as _  # noqa: F401  (reg
 from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import start_http_server
 
+from pdserve.services.tls import TlsFiles, internal_channel
+
 logger = logging.getLogger(__name__)
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -49,6 +51,8 @@ class ServiceProcess:
         metrics_port: int | None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_message_bytes: int = MIN_RECEIVE_BYTES,
+        credentials: grpc.ServerCredentials | None = None,
+        health_port: int = -1,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
@@ -60,10 +64,22 @@ class ServiceProcess:
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
         if self.port == 0:
             raise OSError(f"port: cannot listen on {host}:{port}")
         self.host = host
+        # Probes that cannot present a certificate ask here; nothing else is served on it.
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        if health_port >= 0:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            if self.health_port == 0:
+                raise OSError(f"health port: cannot listen on {host}:{health_port}")
         self.metrics_port = None
         if metrics_port is not None:
             http_server, _thread = start_http_server(metrics_port, addr=host)
@@ -93,6 +109,8 @@ class ServiceProcess:
         `on_ready` runs once the server answers SERVING."""
         _enable_reflection([*service_names, health.SERVICE_NAME], self.server)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         serving = health_pb2.HealthCheckResponse.SERVING
         for name in ["", *service_names]:
             await self.health.set(name, serving)
@@ -109,6 +127,8 @@ class ServiceProcess:
             signal.signal(sig, signal.SIG_IGN)
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(self.server.stop(grace_s), *(fn(grace_s) for fn in self._on_drain))
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for fn in self._on_stop:
             await fn()
 
@@ -128,10 +148,11 @@ def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) ->
     )
 
 
-async def wait_healthy(address: str, timeout_s: float) -> None:
-    """Until the service at `address` answers SERVING; raises TimeoutError."""
+async def wait_healthy(address: str, timeout_s: float, tls: TlsFiles | None = None) -> None:
+    """Until the service at `address` answers SERVING (over mTLS with `tls`); raises
+    TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with internal_channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -12,13 +12,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from pdserve.common.config import default_threads
 from pdserve.services.engine_args import engine_argv
 from pdserve.services.grpc_server import wait_healthy
+from pdserve.services.tls import TlsFiles
 
 START_TIMEOUT_S = 300.0
 
@@ -84,24 +87,46 @@ def endpoints(listening: dict[str, Any]) -> list[dict[str, Any]]:
     return listening.get("ranks") or [listening]
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _security_env(args: argparse.Namespace, folder: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(every child's, the coordinator's) environment for keys and certificates: checked
+    here, before any child starts. `--internal-tls` writes a throwaway CA into `folder`."""
     from pdserve.services.auth import ApiKeys
+    from pdserve.services.tls import make_throwaway
 
-    ApiKeys.configured(args.api_key, args.api_key_file)  # refuse bad keys before starting
-    key_env = {
+    ApiKeys.configured(args.api_key, args.api_key_file)  # refuses an empty key
+    tls = TlsFiles.from_args(args)
+    if args.internal_tls and tls is None:
+        tls = make_throwaway(Path(folder), args.tls_server_name)
+    every = tls.env() if tls is not None else {}
+    coordinator = {
         name: value
         for name, value in (
-            ("PDSERVE_API_KEY", args.api_key),
+            ("PDSERVE_API_KEY", args.api_key),  # by environment: a flag shows in `ps`
             ("PDSERVE_API_KEY_FILE", args.api_key_file),
+            ("PDSERVE_PUBLIC_TLS_CERT", args.public_tls_cert),
+            ("PDSERVE_PUBLIC_TLS_KEY", args.public_tls_key),
         )
         if value
     }
+    return every, coordinator
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as folder:
+        return _run_serve(args, *_security_env(args, folder))
+
+
+def _run_serve(
+    args: argparse.Namespace, tls_env: dict[str, str], coordinator_env: dict[str, str]
+) -> int:
     roles = (
         ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     )
     threads = args.threads or max(1, default_threads() // (len(roles) * args.expert_parallel))
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
+    if tls_env or coordinator_env.get("PDSERVE_PUBLIC_TLS_CERT"):
+        common += ["--health-port", "0"]  # health is then checked where no certificate is asked
     children: list[ServiceChild] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         for role in roles:
             child_args = argparse.Namespace(**{**vars(args), "threads": threads})
-            children.append(ServiceChild(role, [*common, *engine_argv(child_args)]))
+            children.append(ServiceChild(role, [*common, *engine_argv(child_args)], tls_env))
         # An expert-parallel worker is a group of ranks, each an endpoint of its own.
         workers = [
             {"role": child.role, **rank}
@@ -126,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 str(args.port),
                 "--metrics-port",
                 "0",
+                *common[6:],  # --drain-timeout, --health-port
                 *(["--model", args.model] if args.model else []),
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *[f"--{role}-workers={addresses}" for role, addresses in by_role.items()],
@@ -136,13 +162,18 @@ def run_serve(args: argparse.Namespace) -> int:
                     else []
                 ),
             ],
-            # The key goes by environment: a flag would show in the process list.
-            env=key_env,
+            env={**tls_env, **coordinator_env},
         )
         children.append(coordinator)
         front = coordinator.wait_listening(START_TIMEOUT_S)
+        tls = TlsFiles.from_env(tls_env)
         for info in [*workers, front]:
-            asyncio.run(wait_healthy(info["grpc"], START_TIMEOUT_S))
+            if "health" in info:
+                asyncio.run(wait_healthy(info["health"], START_TIMEOUT_S))
+            else:  # a rank of a group, or the plain coordinator
+                asyncio.run(
+                    wait_healthy(info["grpc"], START_TIMEOUT_S, tls if info is not front else None)
+                )
         ready = {
             "event": "ready",
             "coordinator": front["grpc"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.services.engine_args import add_engine_args, env
+from pdserve.services.tls import add_tls_args
 
 
 def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -35,6 +36,7 @@ def add_service_args(p: argparse.ArgumentParser, default_port: int) -> None:
         help="on SIGTERM / SIGINT: health turns NOT_SERVING, new calls are refused, and "
         "calls in flight get this many seconds to finish (default: %(default)s)",
     )
+    add_tls_args(p)
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:

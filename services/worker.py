@@ -22,6 +22,7 @@ from pdserve.services.expert_parallel import current_group
 from pdserve.services.grpc_server import ServiceProcess, message_limit, worker_message_limit
 from pdserve.services.lockstep_loop import LockstepEngineLoop
 from pdserve.services.metrics import WorkerMetrics
+from pdserve.services.tls import TlsFiles, use_internal_tls
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -51,6 +52,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 
 
 async def _serve(args: argparse.Namespace, role: str) -> int:
+    tls = TlsFiles.from_args(args)  # raises ValueError naming a missing or unreadable file
+    use_internal_tls(tls)
     setup_tracing(f"pdserve-{role}")
     engine = load_engine(args)
     group = current_group()
@@ -66,6 +69,8 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         args.port + rank if args.port else args.port,
         args.metrics_port + rank if args.metrics_port else args.metrics_port,
         max_message_bytes=limit,
+        credentials=tls.server_credentials() if tls else None,
+        health_port=args.health_port,
     )
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
     address = advertised_address(args.advertise_address, args.host, process.port)
@@ -127,6 +132,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         "worker_id": worker_id,
         "grpc": process.address,
         "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
+        **({"health": f"{args.host}:{process.health_port}"} if process.health_port else {}),
         **({"group": worker.group, "ranks": ranks} if ranks else {}),
     }
     await process.run(

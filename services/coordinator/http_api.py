@@ -428,12 +428,23 @@ class HttpServer:
     """Listens at once (so the port is known for the ready line); `start` serves, `drain`
     stops taking connections and lets open ones finish within the grace period."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(
+        self, app: FastAPI, host: str, port: int, tls: tuple[str, str] | None = None
+    ) -> None:
+        """`tls`: (certificate, key) files to serve HTTPS with."""
         self.socket = socket.create_server((host, port))
         self.host = host
         self.port = self.socket.getsockname()[1]
+        cert, key = tls or (None, None)
         self.server = _EmbeddedServer(
-            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                ssl_certfile=cert,
+                ssl_keyfile=key,
+            )
         )
         self._task: asyncio.Task[None] | None = None
 

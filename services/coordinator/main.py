@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from pdserve.services.coordinator.router import DEFAULT_POLICY, POLICIES, RouterWeights
 
 if TYPE_CHECKING:
+    import grpc
+
     from pdserve.services.auth import ApiKeys
     from pdserve.services.coordinator.discovery import Discovery
 from pdserve.services.engine_args import env, int_env
@@ -138,6 +140,13 @@ def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
         "adding the new key, moving clients, then removing the old one)",
     )
     g.add_argument(
+        "--public-tls-cert",
+        default=env("public_tls_cert"),
+        help="server certificate (PEM) of the public gRPC and HTTP ports (no client "
+        "certificate is asked there: clients use the API key); default: plain",
+    )
+    g.add_argument("--public-tls-key", default=env("public_tls_key"), help="its private key (PEM)")
+    g.add_argument(
         "--served-model-name",
         default=env("served_model_name"),
         help="comma-separated model ids clients may name; the first is the default "
@@ -170,13 +179,26 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from pdserve.services.auth import ApiKeys
 
     discovery = build_discovery(args, static)  # raises ValueError naming what is missing
+    from pdserve.services.tls import TlsFiles, public_server_credentials, use_internal_tls
+
     keys = ApiKeys.configured(args.api_key, args.api_key_file)  # refuses an empty key
-    code = asyncio.run(_serve(args, discovery, keys))
+    use_internal_tls(TlsFiles.from_args(args))  # its certificate towards the workers
+    if bool(args.public_tls_cert) != bool(args.public_tls_key):
+        raise ValueError("public TLS: --public-tls-cert and --public-tls-key go together")
+    public = None
+    if args.public_tls_cert:
+        public = public_server_credentials(args.public_tls_cert, args.public_tls_key)
+    code = asyncio.run(_serve(args, discovery, keys, public))
     sys.stdout.flush()
     os._exit(code)
 
 
-async def _serve(args: argparse.Namespace, discovery: Discovery, keys: ApiKeys | None) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    discovery: Discovery,
+    keys: ApiKeys | None,
+    public: grpc.ServerCredentials | None,
+) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from pdserve.common.model_files import resolve_model
@@ -225,6 +247,8 @@ async def _serve(args: argparse.Namespace, discovery: Discovery, keys: ApiKeys |
         args.metrics_port,
         interceptors=[ApiKeyInterceptor(keys)] if keys else [],
         max_message_bytes=message_limit(frontend.max_prompt_chars),
+        credentials=public,
+        health_port=args.health_port,
     )
     identity = {
         "model": model_dir.name,
@@ -255,7 +279,8 @@ async def _serve(args: argparse.Namespace, discovery: Discovery, keys: ApiKeys |
             keys,
             max_body_bytes=message_limit(frontend.max_prompt_chars),
         )
-        http = HttpServer(api.app, args.host, args.http_port)
+        tls_files = (args.public_tls_cert, args.public_tls_key) if public else None
+        http = HttpServer(api.app, args.host, args.http_port, tls_files)
         await http.start()
         process.on_drain(http.drain)
 
@@ -276,6 +301,8 @@ async def _serve(args: argparse.Namespace, discovery: Discovery, keys: ApiKeys |
     }
     if http is not None:
         ready["http"] = http.address
+    if process.health_port:
+        ready["health"] = f"{args.host}:{process.health_port}"
     await process.run(
         ["pdserve.v1.GenerateService"],
         on_ready=lambda: print(json.dumps(ready), flush=True),

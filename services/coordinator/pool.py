@@ -25,6 +25,7 @@ from pdserve.services.coordinator.router import (
     RouterWeights,
     WorkerState,
 )
+from pdserve.services.tls import internal_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class WorkerPool:
         (calls in flight there finish on their own)."""
         wanted = set(addresses)
         for address in wanted - set(self.workers):
-            channel = grpc.aio.insecure_channel(address)
+            channel = internal_channel(address)
             worker = WorkerEndpoint(
                 address, healthy=False, stub=self.make_stub(channel), channel=channel
             )

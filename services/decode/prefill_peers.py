@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from pdserve.services.tls import internal_channel
 from pdserve.v1 import prefill_pb2_grpc
 
 MAX_COORDINATORS = 16  # lists kept; the one named longest ago goes first
@@ -62,7 +63,7 @@ class PrefillPeers:
             )
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = internal_channel(address)
             entry = self._stubs[address] = (channel, prefill_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.services.grpc_server import wait_healthy
 from pdserve.services.launcher import ServiceChild
+from pdserve.services.tls import TlsFiles
 
 START_TIMEOUT_S = 180.0
 
@@ -86,7 +87,11 @@ def start(role: str, *args: str, env: dict[str, str] | None = None) -> RunningSe
     service = RunningService(role, child.proc)
     try:
         service.info = child.wait_listening(START_TIMEOUT_S)
-        asyncio.run(wait_healthy(service.grpc, START_TIMEOUT_S))
+        if "health" in service.info:  # the plain health port, where no certificate is asked
+            asyncio.run(wait_healthy(service.info["health"], START_TIMEOUT_S))
+        else:
+            tls = TlsFiles.from_env(env or {}) if role != "coordinator" else None
+            asyncio.run(wait_healthy(service.grpc, START_TIMEOUT_S, tls))
     except BaseException:
         service.kill()
         raise
