@@ -150,6 +150,21 @@ app.kubernetes.io/component: {{ .component }}
   emptyDir:
     sizeLimit: {{ $v.model.image.sizeLimit }}
 {{- end }}
+{{- if $v.tls.enabled }}
+# Mounted whole (no subPath), so kubelet's updates of a renewed Secret reach the files.
+- name: tls
+  secret:
+    secretName: {{ include "pdserve.tlsSecretName" .root }}
+    defaultMode: {{ include "pdserve.secretMode" .root }}
+{{- with $v.tls.trustBundle.configMapName }}
+- name: tls-ca
+  configMap:
+    name: {{ . }}
+    items:
+      - key: {{ $v.tls.trustBundle.key }}
+        path: {{ $v.tls.trustBundle.key }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdserve.volumeMounts" -}}
@@ -170,6 +185,16 @@ app.kubernetes.io/component: {{ .component }}
   subPath: {{ $v.model.pvc.subPath }}
   {{- end }}
 {{- end }}
+{{- if $v.tls.enabled }}
+- name: tls
+  mountPath: /etc/pdserve/tls
+  readOnly: true
+{{- if $v.tls.trustBundle.configMapName }}
+- name: tls-ca
+  mountPath: /etc/pdserve/tls-ca
+  readOnly: true
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* The init container that copies an image-packaged model into the model emptyDir. */}}
@@ -189,7 +214,9 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* Native gRPC probes on grpc.health.v1 (SERVING once the model is loaded). */}}
+{{/* Native gRPC probes on grpc.health.v1 (SERVING once the model is loaded), on the gRPC port
+or, where that port speaks TLS, on the plain health port (kubelet's gRPC probes speak
+plaintext only): (dict "port" PORT "startupProbe" $pool.startupProbe) */}}
 {{- define "pdserve.probes" -}}
 startupProbe:
   grpc:
@@ -286,4 +313,103 @@ and uses cuda:r. The schema checks the types too; this also covers --skip-schema
 {{- fail (printf "%s: gRPC ports %d..%d and metrics ports %d..%d overlap (rank r listens on port + r and metrics.port + r)" $role $grpc (add $grpc $n -1) $metrics (add $metrics $n -1)) -}}
 {{- end -}}
 {{- $n -}}
+{{- end -}}
+
+{{/* --- TLS ------------------------------------------------------------------------------ */}}
+
+{{/* The internal certificate's Secret: tls.secretName, or the name the chart's Certificate
+writes by default. */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "pdserve.fullname" .)) .Values.tls.secretName -}}
+{{- end -}}
+
+{{/* Mode of mounted Secret files: 0440 with an fsGroup (the pod's group reads them), 0444
+without one (the files are root's, the process is not). */}}
+{{- define "pdserve.secretMode" -}}
+{{- ternary 288 292 (not (empty .Values.podSecurityContext.fsGroup)) -}}
+{{- end -}}
+
+{{/* The TLS values checked with what depends on them; called once per render. The schema
+checks types; this also covers --skip-schema-validation. */}}
+{{- define "pdserve.tlsChecks" -}}
+{{- $t := .Values.tls -}}
+{{- if and $t.enabled (not $t.secretName) (not $t.certManager.enabled) -}}
+{{- fail "tls.enabled needs tls.secretName (an existing kubernetes.io/tls Secret holding tls.crt, tls.key and ca.crt) or tls.certManager.enabled (the chart then renders a cert-manager Certificate writing that Secret)" -}}
+{{- end -}}
+{{- if and $t.certManager.enabled (not $t.certManager.issuerRef.name) -}}
+{{- fail "tls.certManager.enabled needs tls.certManager.issuerRef.name (the cert-manager Issuer or ClusterIssuer that signs the certificate)" -}}
+{{- end -}}
+{{- if not $t.serverName -}}
+{{- fail "tls.serverName must be a DNS name (the SAN peers verify)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether a component serves the plain health port ("true" or ""): every pod with
+tls.enabled, and the coordinator also with coordinator.publicTls (its gRPC port then speaks
+TLS). (dict "root" . "component" "decode") */}}
+{{- define "pdserve.healthOn" -}}
+{{- $v := .root.Values -}}
+{{- if or $v.tls.enabled (and (eq .component "coordinator") $v.coordinator.publicTls.secretName) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The health port of a component, checked against its other ports: an expert-parallel
+rank r serves health on tls.healthPort + r, like its other ports.
+(dict "root" . "component" "decode") */}}
+{{- define "pdserve.healthPort" -}}
+{{- $v := .root.Values -}}
+{{- $h := int $v.tls.healthPort -}}
+{{- $n := 1 -}}
+{{- $others := dict "metrics.port" (int $v.metrics.port) -}}
+{{- if eq .component "coordinator" -}}
+{{- $_ := set $others "coordinator.port" (int $v.coordinator.port) -}}
+{{- if $v.coordinator.http.enabled -}}
+{{- $_ := set $others "coordinator.http.port" (int $v.coordinator.http.port) -}}
+{{- end -}}
+{{- else -}}
+{{- $n = include "pdserve.expertParallel" . | int -}}
+{{- $_ := set $others (printf "%s.port" .component) (int (index $v .component).port) -}}
+{{- end -}}
+{{- if gt (add $h $n -1) 65535 -}}
+{{- fail (printf "%s: health ports %d..%d (tls.healthPort + rank) go past 65535" .component $h (add $h $n -1)) -}}
+{{- end -}}
+{{- range $name, $p := $others -}}
+{{- if and (le $h (add $p $n -1)) (le $p (add $h $n -1)) -}}
+{{- fail (printf "%s: health ports %d..%d (tls.healthPort + rank) overlap %s %d..%d" $.component $h (add $h $n -1) $name $p (add $p $n -1)) -}}
+{{- end -}}
+{{- end -}}
+{{- $h -}}
+{{- end -}}
+
+{{/* The TLS environment of a pdserve container: (dict "root" . "component" "decode") */}}
+{{- define "pdserve.tlsEnv" -}}
+{{- $v := .root.Values -}}
+{{- if $v.tls.enabled }}
+# Mutual TLS between the pods: these files (the mounted Secret) are re-read when kubelet
+# updates them; peers verify PDSERVE_TLS_SERVER_NAME, not the pod IP.
+- name: PDSERVE_TLS_CERT
+  value: /etc/pdserve/tls/tls.crt
+- name: PDSERVE_TLS_KEY
+  value: /etc/pdserve/tls/tls.key
+- name: PDSERVE_TLS_CA
+  value: {{ ternary (printf "/etc/pdserve/tls-ca/%s" $v.tls.trustBundle.key) "/etc/pdserve/tls/ca.crt" (ne $v.tls.trustBundle.configMapName "") | quote }}
+- name: PDSERVE_TLS_SERVER_NAME
+  value: {{ $v.tls.serverName | quote }}
+{{- end }}
+{{- if include "pdserve.healthOn" . }}
+# Plain grpc.health.v1 only, for kubelet's probes (they present no client certificate).
+- name: PDSERVE_HEALTH_PORT
+  value: {{ include "pdserve.healthPort" . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The port the probes use: health where it is on, else the gRPC port.
+(dict "root" . "component" "decode") */}}
+{{- define "pdserve.probePort" -}}
+{{- if include "pdserve.healthOn" . -}}
+{{- include "pdserve.healthPort" . -}}
+{{- else -}}
+{{- (index .root.Values .component).port | int -}}
+{{- end -}}
 {{- end -}}

@@ -70,6 +70,18 @@ spec:
               containerPort: {{ add $v.metrics.port $r }}
               protocol: TCP
             {{- end }}
+            {{- if include "pdserve.healthOn" . }}
+            {{- $health := include "pdserve.healthPort" . | int }}
+            # Plain grpc.health.v1 for kubelet's probes; no Service or NetworkPolicy opens it.
+            - name: health
+              containerPort: {{ $health }}
+              protocol: TCP
+            {{- range $r := untilStep 1 $ep 1 }}
+            - name: health-ep{{ $r }}
+              containerPort: {{ add $health $r }}
+              protocol: TCP
+            {{- end }}
+            {{- end }}
           env:
             # Listen on the pod IP: a prefill worker puts HOST:PORT into its KV handles and
             # decode workers call it back there, so it must be an address other pods reach.
@@ -135,11 +147,12 @@ spec:
               value: {{ . | quote }}
             {{- end }}
             {{- with (include "pdserve.envMap" $v.ucx.env) }}{{ . | nindent 12 }}{{- end }}
+            {{- with (include "pdserve.tlsEnv" .) }}{{ . | trim | nindent 12 }}{{- end }}
             {{- include "pdserve.commonEnv" $root | nindent 12 }}
             - name: OTEL_SERVICE_NAME
               value: pdserve-{{ $role }}
             {{- with (include "pdserve.envMap" $pool.env) }}{{ . | nindent 12 }}{{- end }}
-          {{- include "pdserve.probes" $pool | nindent 10 }}
+          {{- include "pdserve.probes" (dict "port" (include "pdserve.probePort" .) "startupProbe" $pool.startupProbe) | nindent 10 }}
           {{- include "pdserve.lifecycle" $root | nindent 10 }}
           resources:
             {{- $res := deepCopy $pool.resources }}
