@@ -51,19 +51,6 @@ VALUE_SETS = ["default", *sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))]
 WORKERS = ("prefill", "decode")
 # PDSERVE_* variables read by pdserve's code rather than by a CLI flag.
 NON_FLAG_VARS = {"PDSERVE_CACHE_DIR": "common/model_files.py", "PDSERVE_BUILD_DIR": "kernels"}
-# Variables the chart sets for flags the services are gaining together with the chart's TLS
-# values (mTLS between the pods, the plain health port, TLS on the coordinator's public
-# ports). Until `pdserve` has them, the CLI check of a value set that sets them skips, after
-# checking everything else.
-PENDING_FLAGS = {
-    "PDSERVE_TLS_CERT",
-    "PDSERVE_TLS_KEY",
-    "PDSERVE_TLS_CA",
-    "PDSERVE_TLS_SERVER_NAME",
-    "PDSERVE_HEALTH_PORT",
-    "PDSERVE_PUBLIC_TLS_CERT",
-    "PDSERVE_PUBLIC_TLS_KEY",
-}
 TLS_VARS = ("PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY", "PDSERVE_TLS_CA", "PDSERVE_TLS_SERVER_NAME")
 # What downward-API fields stand for when the CLI parses a container's environment.
 FIELD_SAMPLES = {"status.podIP": "10.1.2.3", "metadata.name": "demo-pdserve-prefill-abc12"}
@@ -303,16 +290,12 @@ def test_rdma_ucx_and_shared_memory() -> None:
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_env_ports_and_probes_match_the_cli(value_set: str, monkeypatch) -> None:
     docs = manifests(value_set)
-    pending = set()
     for component in ("coordinator", *WORKERS):
         c = container(deployment(docs, component))
         assert c["args"][0] == component
         args, dests, env = parse_container(c, monkeypatch)
         for name, value in env.items():
             if not name.startswith("PDSERVE_"):
-                continue
-            if name in PENDING_FLAGS and name.removeprefix("PDSERVE_").lower() not in dests:
-                pending.add(name)
                 continue
             if name in NON_FLAG_VARS:
                 where = ROOT / NON_FLAG_VARS[name]
@@ -353,8 +336,6 @@ def test_env_ports_and_probes_match_the_cli(value_set: str, monkeypatch) -> None
     # Workers listen on their pod IP: the address a prefill worker hands decode in its KV handles.
     for args, _, _ in workers.values():
         assert args.host == FIELD_SAMPLES["status.podIP"]
-    if pending:
-        pytest.skip(f"no `pdserve` flag reads {sorted(pending)} yet; the rest matched")
 
 
 def test_model_from_a_pvc_reaches_every_service(monkeypatch) -> None:
@@ -1012,11 +993,16 @@ def test_a_trust_bundle_replaces_the_secrets_ca() -> None:
         assert vol["secret"]["secretName"] == f"{FULLNAME}-tls" and key == "tls.crt"
 
 
-def test_public_tls_mounts_into_the_coordinator_only() -> None:
+def test_public_tls_mounts_into_the_coordinator_only(monkeypatch) -> None:
     docs = render("default", "coordinator.publicTls.secretName=pdserve-public-tls")
     coord = deployment(docs, "coordinator")
     c = container(coord)
-    env = env_of(c)
+    args, _, env = parse_container(c, monkeypatch)
+    assert (args.public_tls_cert, args.public_tls_key) == (
+        env["PDSERVE_PUBLIC_TLS_CERT"],
+        env["PDSERVE_PUBLIC_TLS_KEY"],
+    )
+    assert args.health_port == int(env["PDSERVE_HEALTH_PORT"]) and args.tls_cert is None
     for var, key in (("PDSERVE_PUBLIC_TLS_CERT", "tls.crt"), ("PDSERVE_PUBLIC_TLS_KEY", "tls.key")):
         vol, found = file_of(coord, env[var])
         assert vol["secret"]["secretName"] == "pdserve-public-tls" and found == key
