@@ -26,7 +26,7 @@ from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.model_files import resolve_model
 from pdserve.common.model_runner import ModelRunner
 from pdserve.common.prompts import Prompt, max_model_len, tokenize_prompt
-from pdserve.common.request import Request, RequestStatus
+from pdserve.common.request import Request, RequestStatus, Resume
 from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.scheduler import Scheduler
@@ -99,17 +99,23 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        resume: Resume | None = None,
     ) -> Request:
         """Validate, tokenize and queue one request. Raises `InvalidRequestError`. A
         `prefill_only` request stops after its first token and keeps its KV blocks (status
-        PREFILLED); the caller hands them off and then calls `free_request`."""
-        request = self._new_request(prompt, params, request_id)
+        PREFILLED); the caller hands them off and then calls `free_request`. `resume`: the
+        prompt ends with output of this request from an earlier, lost leg."""
+        request = self._new_request(prompt, params, request_id, resume)
         request.prefill_only = prefill_only
         self.scheduler.add_request(request)
         return request
 
     def _new_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        resume: Resume | None = None,
     ) -> Request:
         params = (params or SamplingParams()).validate()
         token_ids = self.tokenize(prompt)
@@ -137,7 +143,39 @@ class LLMEngine:
             self.tokenizer, token_ids, params.skip_special_tokens
         )
         request.stop_checker = StopChecker(params, self.eos_token_ids)
+        if resume is not None:
+            self._resume(request, resume)
         return request
+
+    def _resume(self, request: Request, resume: Resume) -> None:
+        """Bring a resumed request's output state to where its lost leg left it."""
+        n = resume.output_tokens
+        prompt = request.prompt_token_ids
+        if not 0 < n < len(prompt):
+            raise InvalidRequestError(
+                "resumed.output_tokens", f"must be in [1, {len(prompt)}), got {n}"
+            )
+        params = request.sampling_params
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt[:-n], params.skip_special_tokens
+        )
+        text = "".join(request.detokenizer.add(t) for t in prompt[-n:])
+        if resume.sent_chars > len(text):
+            raise InvalidRequestError(
+                "resumed.sent_chars", f"the output so far has {len(text)} characters"
+            )
+        assert request.stop_checker is not None
+        request.stop_checker.resume(text, resume.sent_chars)
+        request.output_text = text[: resume.sent_chars]
+        if request.generator is not None and not params.greedy:
+            self._skip_draws(request.generator, n)
+
+    def _skip_draws(self, generator: torch.Generator, draws: int) -> None:
+        """Advance a seeded generator past `draws` tokens' noise (one row of the vocabulary
+        each, drawn as the sampler draws it)."""
+        row = torch.empty(1, self.runner.hf_config.vocab_size, device=self.runner.device)
+        for _ in range(draws):
+            row.exponential_(generator=generator)
 
     # ---- requests prefilled elsewhere (a decode worker's side of the handoff) ----------
 
@@ -147,12 +185,13 @@ class LLMEngine:
         first_token_id: int,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        resume: Resume | None = None,
     ) -> Request:
         """A request whose prompt was computed and first token sampled by another worker.
         Its output state (detokenizer, stop rules, seeded generator) is brought to where
         that worker left it, so the tokens after the first are those one engine would give.
         It holds no blocks yet: see `reserve_prefilled`."""
-        request = self._new_request(list(prompt_token_ids), params, request_id)
+        request = self._new_request(list(prompt_token_ids), params, request_id, resume)
         vocab = self.runner.hf_config.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidRequestError(
@@ -160,9 +199,7 @@ class LLMEngine:
             )
         if request.generator is not None and not request.sampling_params.greedy:
             # The first draw consumed one row of noise from the generator: consume it here.
-            torch.empty(1, vocab, device=self.runner.device).exponential_(
-                generator=request.generator
-            )
+            self._skip_draws(request.generator, 1)
         request.append_output_token(first_token_id)
         if self._process_token(request, first_token_id, in_scheduler=False).finished:
             raise InvalidRequestError(

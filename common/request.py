@@ -50,6 +50,18 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A request continued on new workers after it lost one: the last `output_tokens`
+    prompt tokens are output it had already generated, and the client already has the first
+    `sent_chars` characters of their text. Its output state (text, stop rules, seeded
+    generator) is rebuilt from them, so held-back text is sent, a stop string spanning the
+    two legs is found, and sampling goes on as if no worker had been lost."""
+
+    output_tokens: int
+    sent_chars: int
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str

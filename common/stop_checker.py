@@ -56,6 +56,12 @@ class StopChecker:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    def resume(self, text: str, sent_chars: int) -> None:
+        """Continue after `text`, output another worker already checked, of which
+        `sent_chars` characters were emitted (the rest was held back)."""
+        self._output = text
+        self._emitted = min(sent_chars, len(text))
+
     def tokens_to_ban(self) -> frozenset[int]:
         """Token ids the next draw must not pick: the stop tokens while fewer than
         ``min_tokens`` tokens exist, else none."""

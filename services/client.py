@@ -34,6 +34,21 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+    p.add_argument(
+        "--public-tls-ca",
+        default=env("public_tls_ca"),
+        help="CA bundle (PEM) to verify a coordinator serving TLS (--public-tls-cert); "
+        "default: plain text",
+    )
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if not args.public_tls_ca:
+        return grpc.insecure_channel(args.address)
+    with open(args.public_tls_ca, "rb") as f:
+        return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(f.read()))
+
+
 def _metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
 
@@ -56,7 +71,7 @@ def _print_stream(responses: Iterator[generate_pb2.GenerateResponse]) -> str:
 
 
 def run_complete(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel(args) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         if args.chat:
             request = generate_pb2.GenerateRequest(
@@ -80,7 +95,7 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"Chatting with {args.address}. Empty line or Ctrl-D to quit.")
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel(args) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         while True:
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.request import Resume
 from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.v1 import generate_pb2
@@ -49,6 +50,14 @@ def worker_request(
     if not prompt:
         raise InvalidRequestError("prompt_token_ids", "must not be empty")
     return prompt, params_from_proto(sampling)
+
+
+def resume_from_proto(message: object) -> Resume | None:
+    """A worker RPC's `resumed` field (the engine checks its ranges)."""
+    if not message.HasField("resumed"):  # type: ignore[attr-defined]
+        return None
+    resumed = message.resumed  # type: ignore[attr-defined]
+    return Resume(resumed.output_tokens, resumed.sent_chars)
 
 
 def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
-from pdserve.common.request import Request
+from pdserve.common.request import Request, Resume
 from pdserve.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class EngineLoop:
         params: SamplingParams,
         request_id: str,
         prefill_only: bool = False,
+        resume: Resume | None = None,
     ) -> Request:
         """Queue a request; its outputs go to `stream(request_id)`. If the caller is
         cancelled meanwhile, the request is dropped once the engine has it. Raises
@@ -89,7 +90,7 @@ class EngineLoop:
         self.open_stream(request_id)
         self._adding += 1
         added = self.submit(
-            lambda: self.engine.add_request(prompt, params, request_id, prefill_only)
+            lambda: self.engine.add_request(prompt, params, request_id, prefill_only, resume)
         )
         added.add_done_callback(self._on_added)
         try:

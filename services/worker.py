@@ -70,7 +70,8 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         args.metrics_port + rank if args.metrics_port else args.metrics_port,
         max_message_bytes=limit,
         credentials=tls.server_credentials() if tls else None,
-        health_port=args.health_port,
+        # Rank r of an expert-parallel group listens at port + r, its health port too.
+        health_port=args.health_port + rank if args.health_port > 0 else args.health_port,
     )
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
     address = advertised_address(args.advertise_address, args.host, process.port)

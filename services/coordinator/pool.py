@@ -111,6 +111,9 @@ class WorkerPool:
     def _retire(self, worker: WorkerEndpoint) -> None:
         self._set_healthy(worker, False)
         self.index.remove_worker(worker.address)
+        self.router.forget(worker.address)
+        with contextlib.suppress(KeyError):
+            LOCAL_PREFILLS.remove(self.role, worker.address)
         if worker.monitor is not None:
             worker.monitor.cancel()
 

@@ -235,15 +235,17 @@ class Coordinator:
 
         prompt = list(parsed.token_ids)
         generated: list[int] = []
+        sent = [0]  # characters of text the client has
         cached_tokens: int | None = None
         failed: list = []  # workers this request failed on
         while True:
-            leg = self._leg(parsed, prompt, generated, remaining, timer, failed)
+            leg = self._leg(parsed, prompt, generated, sent[0], remaining, timer, failed)
             try:
                 async for response, cached in leg:
                     if cached_tokens is None:
                         cached_tokens = cached
                     generated.extend(response.token_ids)
+                    sent[0] += len(response.text)
                     if response.finish_reason:
                         response.usage.CopyFrom(
                             usage(len(prompt), len(generated), cached_tokens or 0)
@@ -271,13 +273,15 @@ class Coordinator:
         parsed: ParsedRequest,
         prompt: list[int],
         generated: list[int],
+        sent_chars: int,
         remaining: Callable[[], float | None],
         timer: RequestTimer,
         failed: list,
     ) -> AsyncIterator[tuple[generate_pb2.GenerateResponse, int]]:
         """One prefill + decode of `prompt + generated`, continuing the request after the
-        tokens already sent. Yields (response, prefill's cached tokens); raises `LegFailed`
-        when a worker is lost (the failed one is appended to `failed`)."""
+        tokens already sent (and `sent_chars` characters of their text). Yields (response,
+        prefill's cached tokens); raises `LegFailed` when a worker is lost (the failed one
+        is appended to `failed`)."""
         assert self.prefill is not None and self.decode is not None
         span = timer.span
         rid = parsed.request_id
@@ -288,6 +292,11 @@ class Coordinator:
         sampling = params_to_proto(
             replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(generated)))
         )
+        resumed = None
+        if generated:
+            resumed = generate_pb2.ResumedOutput(
+                output_tokens=len(generated), sent_chars=sent_chars
+            )
         if self.local_prefill_tokens > 0:
             bs = self.decode.block_size
             blocks = -(-(len(tokens) + left) // max(1, bs))
@@ -301,7 +310,10 @@ class Coordinator:
             if local is not None:
                 call = local.stub.Decode(
                     decode_pb2.DecodeRequest(
-                        request_id=wid, prompt_token_ids=tokens, sampling=sampling
+                        request_id=wid,
+                        prompt_token_ids=tokens,
+                        sampling=sampling,
+                        resumed=resumed,
                     ),
                     timeout=remaining(),
                     metadata=metadata_for_call(span),
@@ -318,7 +330,7 @@ class Coordinator:
         with self.prefill.track(worker):
             call = worker.stub.Prefill(
                 prefill_pb2.PrefillRequest(
-                    request_id=wid, prompt_token_ids=tokens, sampling=sampling
+                    request_id=wid, prompt_token_ids=tokens, sampling=sampling, resumed=resumed
                 ),
                 timeout=remaining(),
                 metadata=metadata_for_call(span),
@@ -358,6 +370,7 @@ class Coordinator:
                     first_token_id=prefilled.first_token_id,
                     sampling=sampling,
                     kv_handle=handle,
+                    resumed=resumed,
                 ),
                 timeout=remaining(),
                 metadata=metadata_for_call(span),

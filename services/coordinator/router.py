@@ -17,6 +17,7 @@ already failed on. Every decision is counted in
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -140,6 +141,11 @@ class Router:
 
     def no_worker(self) -> None:
         DECISIONS.labels(self.pool, self.policy, "no_worker", "").inc()
+
+    def forget(self, address: str) -> None:
+        """Drop a departed worker's series, so they do not grow with every address seen."""
+        with contextlib.suppress(KeyError):
+            DECISIONS.remove(self.pool, self.policy, "picked", address)
 
     @staticmethod
     def _least_loaded(order: list[WorkerState], blocks_needed: int) -> WorkerState:

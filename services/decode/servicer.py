@@ -21,7 +21,7 @@ from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
-from pdserve.services.convert import logprobs_to_proto, worker_request
+from pdserve.services.convert import logprobs_to_proto, resume_from_proto, worker_request
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
 from pdserve.services.decode.prefill_peers import PrefillPeers, UnknownPrefillWorker
 from pdserve.services.worker import Worker
@@ -93,7 +93,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             prompt, params = worker_request(rid, request.prompt_token_ids, request.sampling)
             self._check(request)
             first = request.first_token_id
-            req = await loop.call(lambda: engine.new_prefilled_request(prompt, first, params, rid))
+            resume = resume_from_proto(request)
+            req = await loop.call(
+                lambda: engine.new_prefilled_request(prompt, first, params, rid, resume)
+            )
             loop.open_stream(rid)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -145,7 +148,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             prompt, params = worker_request(
                 request.request_id, request.prompt_token_ids, request.sampling
             )
-            req = await loop.add(prompt, params, request.request_id)
+            req = await loop.add(
+                prompt, params, request.request_id, resume=resume_from_proto(request)
+            )
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:

@@ -16,7 +16,7 @@ from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, record_phases, tracer
-from pdserve.services.convert import logprobs_to_proto, worker_request
+from pdserve.services.convert import logprobs_to_proto, resume_from_proto, worker_request
 from pdserve.services.prefill.leases import Lease, LeaseBusy, LeaseError, LeaseTable
 from pdserve.services.worker import Worker
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -69,7 +69,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             prompt, params = worker_request(
                 request.request_id, request.prompt_token_ids, request.sampling
             )
-            req = await loop.add(prompt, params, request.request_id, prefill_only=True)
+            resume = resume_from_proto(request)
+            req = await loop.add(prompt, params, request.request_id, True, resume)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:

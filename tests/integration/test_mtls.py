@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 
@@ -139,3 +140,36 @@ def test_serve_internal_tls_comes_up_and_answers(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_public_tls_on_the_coordinator(cluster, certs):
+    import httpx
+
+    env = {**certs.env(), "PDSERVE_PUBLIC_TLS_CERT": str(certs.cert),
+           "PDSERVE_PUBLIC_TLS_KEY": str(certs.key)}  # fmt: skip
+    edge = start(
+        "coordinator",
+        f"--prefill-workers={cluster['prefill'].grpc}",
+        f"--decode-workers={cluster['decode'].grpc}",
+        "--http-port=0",
+        "--health-port=0",
+        env=env,
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve.services.cli", "complete", "The sky is",
+             "--max-tokens", "4", "--address", edge.grpc, "--public-tls-ca", str(certs.ca)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr
+        with grpc.insecure_channel(edge.grpc) as plain:  # the public port speaks TLS only
+            with pytest.raises(grpc.RpcError) as err:
+                ask(generate_pb2_grpc.GenerateServiceStub(plain))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        body = {"prompt": "The sky is", "max_tokens": 4}
+        url = f"https://{edge.info['http']}/v1/completions"
+        verify = ssl.create_default_context(cafile=str(certs.ca))
+        reply = httpx.post(url, json=body, verify=verify, timeout=120)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+    finally:
+        edge.stop()

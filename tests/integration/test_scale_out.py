@@ -1,7 +1,8 @@
 """Scale-out on real processes: 2 prefill + 2 decode workers behind one coordinator, the
 default model. Prefix-aware routing keeps a conversation on the prefill worker that caches
 it (read from the workers' own counters, against round-robin); `kill -9` of a decode or a
-prefill worker with 16 greedy streams in flight loses no request and changes no token; a
+prefill worker with 16 streams in flight (half greedy, half seeded sampling) loses no
+request and changes no token and no character of text; a
 worker started again later is picked up and used."""
 
 from __future__ import annotations
@@ -51,21 +52,29 @@ def cluster():
             service.stop()
 
 
-def generate(address: str, question: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+def generate(address: str, question: str, max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+    """Tokens and text of one stream: greedy, or seeded sampling for questions ending in an
+    odd number (a stream moved to another worker must go on with the same draws)."""
+    number = question.rstrip(")").rsplit("(", 1)[-1]
+    seeded = number.isdigit() and int(number) % 2 == 1
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        sampling = generate_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True
+        )
+        if seeded:
+            sampling.temperature, sampling.seed = 0.8, int(number)
         request = generate_pb2.GenerateRequest(
             messages=[generate_pb2.ChatMessage(role="user", content=question)],
-            sampling=generate_pb2.SamplingParams(
-                max_tokens=max_tokens, temperature=0, ignore_eos=True
-            ),
+            sampling=sampling,
         )
-        return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
+        responses = list(stub.Generate(request, timeout=300))
+        return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
 
 
-def streams_with_a_kill(cluster, victim: str, when, stop=None) -> list[list[int]]:
-    """16 greedy streams; `victim` gets SIGKILL (or `stop(victim)`) once `when(services)`
-    holds."""
+def streams_with_a_kill(cluster, victim: str, when, stop=None) -> tuple[list, list[str]]:
+    """16 streams (half greedy, half seeded); `victim` gets SIGKILL (or `stop(victim)`)
+    once `when(services)` holds."""
     services = cluster["services"]
     address = services["coordinator"].grpc
     questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
@@ -95,7 +104,7 @@ def _workers_back_after_each_test(cluster):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster) -> dict[str, list[int]]:
+def reference(cluster) -> dict[str, tuple[list[int], str]]:
     address = cluster["services"]["coordinator"].grpc
     questions = [QUESTIONS[i % len(QUESTIONS)] + f" ({i})" for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:

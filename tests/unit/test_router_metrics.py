@@ -39,3 +39,19 @@ def test_an_empty_pool_counts_no_worker() -> None:
             router.pick([])
     assert _count("colocated", "round_robin", "no_worker", "") - was == 3
     assert _count("colocated", "round_robin", "picked", "") == 0
+
+
+def test_a_departed_workers_series_are_removed() -> None:
+    router = Router("decode", "round_robin")
+    gone = WorkerState("10.9.9.9:1")
+    router.pick([gone])
+    assert _count("decode", "round_robin", "picked", gone.address) == 1
+    router.forget(gone.address)
+    labels = {
+        "pool": "decode",
+        "policy": "round_robin",
+        "outcome": "picked",
+        "target": gone.address,
+    }
+    assert REGISTRY.get_sample_value(NAME, labels) is None
+    router.forget(gone.address)  # forgetting twice is harmless
