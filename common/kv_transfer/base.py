@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -70,8 +70,6 @@ class KvTransport(ABC):
 
     def __init__(self) -> None:
         self._tags = itertools.count(1)
-        # A random prefix keeps tags from two lives of one process apart.
-        self._tag_prefix = int.from_bytes(os.urandom(3), "little") << 40
 
     @property
     @abstractmethod
@@ -106,8 +104,11 @@ class KvTransport(ABC):
         """Fail everything pending and release the transport's resources."""
 
     def new_tag(self) -> int:
-        """A tag no other live transfer to this worker uses."""
-        return self._tag_prefix | ((next(self._tags) % (1 << 20)) << INDEX_BITS)
+        """A tag no other live transfer to this worker uses (the counter), drawn afresh
+        for each transfer in its top bits: a peer that was not told a receive's tag cannot
+        aim blocks at it."""
+        fresh = secrets.randbits(24) << 40
+        return fresh | ((next(self._tags) % (1 << 20)) << INDEX_BITS)
 
     @staticmethod
     def check_blocks(block_ids: Sequence[int], num_blocks: int) -> None:

@@ -143,7 +143,7 @@ def test_serve_internal_tls_comes_up_and_answers(tmp_path):
 
 
 def test_public_tls_on_the_coordinator(cluster, certs):
-    import httpx
+    import httpx2 as httpx  # openai's HTTP client (the httpx2 distribution)
 
     env = {**certs.env(), "PDSERVE_PUBLIC_TLS_CERT": str(certs.cert),
            "PDSERVE_PUBLIC_TLS_KEY": str(certs.key)}  # fmt: skip
