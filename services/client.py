@@ -33,7 +33,6 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
         "PDSERVE_API_KEY: a flag shows in the process list)",
     )
 
-
     p.add_argument(
         "--public-tls-ca",
         default=env("public_tls_ca"),

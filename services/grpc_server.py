@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,6 +40,62 @@ def worker_message_limit(max_model_len: int) -> int:
     return MIN_RECEIVE_BYTES + 5 * max_model_len
 
 
+class _Undecodable:
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class UndecodableIsInvalid(grpc.aio.ServerInterceptor):
+    """A request whose bytes are not its message gets INVALID_ARGUMENT (gRPC itself would
+    answer UNKNOWN, as if the service had failed). Single-message requests only; streams of
+    requests (reflection) keep gRPC's own handling."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> object:
+            try:
+                return parse(data)
+            except Exception as e:  # protobuf's DecodeError, or anything a parser raises
+                return _Undecodable(f"{type(e).__name__}: {e}")
+
+        codec = {"request_deserializer": deserialize,
+                 "response_serializer": handler.response_serializer}  # fmt: skip
+        method = details.method
+
+        async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not a valid message for {method} ({request.why})",
+            )
+
+        if handler.response_streaming:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: object, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                async for response in inner_stream(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(stream, **codec)
+        inner_unary = handler.unary_unary
+
+        async def unary(request: object, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            return await inner_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **codec)
+
+
 class ServiceProcess:
     """One service: register servicers with `server`, then `await run()`.
     `interceptors` see every call (the API key's door); `max_message_bytes` bounds what
@@ -55,7 +112,7 @@ class ServiceProcess:
         health_port: int = -1,
     ) -> None:
         self.server = grpc.aio.server(
-            interceptors=list(interceptors),
+            interceptors=[*interceptors, UndecodableIsInvalid()],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),

@@ -94,6 +94,12 @@ class KvTransport(ABC):
         """Send these blocks of the pool, in order, to the receive posted under `tag` at
         `peer` (its `address`)."""
 
+    def check_peer(self, peer: bytes) -> None:
+        """Raise `KvTransferError` when `peer` cannot be an address of this transport (a
+        caller's mistake, found before anything is sent)."""
+        if not peer:
+            raise KvTransferError("peer address is empty")
+
     @abstractmethod
     def cancel(self, tag: int) -> None:
         """Abort a posted receive or send under `tag`: its future fails with

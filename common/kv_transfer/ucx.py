@@ -209,6 +209,9 @@ class UcxTransport(KvTransport):
             return future
         return self._submit(_Transfer(tag, bytes(peer), list(block_ids), timeout))
 
+    def check_peer(self, peer: bytes) -> None:
+        _unseal(peer)
+
     def cancel(self, tag: int) -> None:
         self._enqueue(("abort", tag, "cancelled"))
 

@@ -148,7 +148,9 @@ class OpenAIServer:
 
         @app.exception_handler(HTTPException)
         async def on_http(_: Request, e: HTTPException) -> JSONResponse:
-            return ApiError(e.status_code, str(e.detail)).response()
+            response = ApiError(e.status_code, str(e.detail)).response()
+            response.headers.update(e.headers or {})  # e.g. a 405's Allow
+            return response
 
         @app.exception_handler(Exception)
         async def on_crash(request: Request, e: Exception) -> JSONResponse:

@@ -49,12 +49,19 @@ def _utf8(name: str, text: str | None) -> str:
     return text
 
 
+# Strict: a value of the wrong JSON type is refused (400 naming it), never coerced ("0.5"
+# as a temperature, true as a token id, 1.0 as n); JSON numbers still serve as floats.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -130,7 +137,7 @@ class _SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -31,7 +31,21 @@ logger = logging.getLogger(__name__)
 
 
 class PullFailed(RuntimeError):
-    pass
+    """`code`: UNAVAILABLE when the prefill worker or the way to it failed (the request may
+    go on elsewhere); the prefill worker's own refusal otherwise (the lease is unknown or
+    taken, a field is bad), which no retry of this handle can fix."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(message)
+        self.code = code
+
+
+# What prefill's refusal of a pull becomes here: about the handle, not about this worker.
+_REFUSALS = {
+    grpc.StatusCode.NOT_FOUND: grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+}
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -122,7 +136,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             try:
                 pulled = await self._pull(req, request.kv_handle, num_cached, span)
             except PullFailed as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                await context.abort(e.code, str(e))
             await loop.call(lambda: self.admission.start(req))
             yield decode_pb2.DecodeResponse(pulled_blocks=pulled)
             async for out in loop.stream(rid):
@@ -264,9 +278,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else e
             transfer.set_status(Status(StatusCode.ERROR, str(why)))
             transfer.end()
+            code = grpc.StatusCode.UNAVAILABLE
+            if isinstance(e, grpc.aio.AioRpcError):
+                code = _REFUSALS.get(e.code(), code)
             raise PullFailed(
                 f"KV pull from prefill worker {handle.worker_id} ({handle.grpc_address}) "
-                f"failed: {why}"
+                f"failed: {why}",
+                code,
             ) from e
         w.metrics.transfer(
             transport.kind, "receive", result.num_blocks, result.num_bytes, result.seconds

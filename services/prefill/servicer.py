@@ -147,6 +147,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         lease_id = request.lease_id
         if not request.receiver_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "receiver_address: is empty")
+        try:  # before the lease is touched: a malformed address must not cost it
+            w.transport.check_peer(request.receiver_address)
+        except KvTransferError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"receiver_address: {e}")
         try:
             block_ids = self.leases.begin_send(lease_id, request.first_block)
         except LeaseError as e:
