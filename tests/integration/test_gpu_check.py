@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -25,19 +24,16 @@ PARTS = ("environment", "kernels", "engine", "speed", "disaggregation", "expert_
 # memory, expert parallelism over gloo), so a part that silently turns into "skipped" fails.
 MAY_SKIP_ON_CPU: dict[str, str] = {}
 MUST_BE_OK = ("environment", "kernels", "engine")
-WALL_LIMIT_S = 120  # the target is a minute; twice that for a machine other work shares
 
 
 @pytest.mark.slow
 def test_cpu_dry_run_reports_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--tiny",
          "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-5000:]
     result = json.loads(proc.stdout)
     assert json.loads(out.read_text()) == result
@@ -65,7 +61,8 @@ def test_cpu_dry_run_reports_every_part(tmp_path):
     served = disagg["served"]
     assert served["equal_to_colocated"] == served["requests"] and served["kv_bytes_moved"] > 0
     assert result["expert_parallel"]["backend"] == "gloo"
-    assert wall < WALL_LIMIT_S, f"the dry run took {wall:.0f} s"
+    # Its wall time (about a minute here) is printed in summary, not asserted: tests never
+    # time things.
 
 
 def _sparse(path: Path, nbytes: int) -> None:
