@@ -260,6 +260,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 first_block=num_cached,
                 receiver_address=transport.address,
                 tag=tag,
+                num_blocks=len(dst),
             ),
             timeout=timeout,
             metadata=metadata_for_call(transfer),

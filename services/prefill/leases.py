@@ -54,8 +54,10 @@ class LeaseTable:
             self._leases[lease_id] = lease
         return lease
 
-    def begin_send(self, lease_id: str, first_block: int) -> list[int]:
-        """The blocks to send, from `first_block` on; the lease stops expiring."""
+    def begin_send(self, lease_id: str, first_block: int, num_blocks: int = 0) -> list[int]:
+        """The blocks to send, from `first_block` on; the lease stops expiring.
+        `num_blocks`: what the receiver expects (0: unchecked); a mismatch raises
+        ValueError and leaves the lease as it was."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
@@ -70,6 +72,12 @@ class LeaseTable:
                 raise ValueError(
                     f"first_block: must be in [0, {len(block_ids)}) for this lease, "
                     f"got {first_block}"
+                )
+            if num_blocks and num_blocks != len(block_ids) - first_block:
+                raise ValueError(
+                    f"num_blocks: this lease holds {len(block_ids) - first_block} blocks from "
+                    f"first_block {first_block}, the receiver posted {num_blocks} (the KV "
+                    "handle does not match its lease)"
                 )
             lease.sending = True
             return block_ids[first_block:]

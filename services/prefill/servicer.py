@@ -152,7 +152,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except KvTransferError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"receiver_address: {e}")
         try:
-            block_ids = self.leases.begin_send(lease_id, request.first_block)
+            block_ids = self.leases.begin_send(lease_id, request.first_block, request.num_blocks)
         except LeaseError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
         except LeaseBusy as e:

@@ -327,14 +327,22 @@ def test_two_clients_may_use_the_same_request_id(cluster, offline):
 
 def test_prefill_worker_refuses_bad_calls(cluster):
     stub = cluster["prefill_stub"]
+    # A well-formed UCX address (the prefill worker's own, from a handle): the lease is
+    # then what is wrong. A malformed one is refused first, before any lease is looked up.
+    real = stub.Prefill(prefill_pb2.PrefillRequest(
+        request_id="addr", prompt_token_ids=[5, 6, 7], sampling=greedy()))  # fmt: skip
+    address = real.kv_handle.transport_address
+    stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(lease_id=real.kv_handle.lease_id))
     before = cluster["prefill"].free_blocks()
     cases = [
         (stub.Prefill, prefill_pb2.PrefillRequest(prompt_token_ids=[1]), "request_id"),
         (stub.Prefill, prefill_pb2.PrefillRequest(request_id="e"), "prompt_token_ids"),
         (stub.Prefill, prefill_pb2.PrefillRequest(request_id="v", prompt_token_ids=[10**6]),
          "token_ids"),
-        (stub.TransferKv, prefill_pb2.TransferKvRequest(lease_id="nope", receiver_address=b"x"),
+        (stub.TransferKv, prefill_pb2.TransferKvRequest(lease_id="nope", receiver_address=address),
          "lease_id"),
+        (stub.TransferKv, prefill_pb2.TransferKvRequest(lease_id="nope", receiver_address=b"x"),
+         "receiver_address"),
         (stub.TransferKv, prefill_pb2.TransferKvRequest(lease_id="nope"), "receiver_address"),
     ]  # fmt: skip
     for method, request, field_name in cases:

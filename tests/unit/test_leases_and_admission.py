@@ -56,6 +56,15 @@ def test_lease_first_block_out_of_range(tiny_model_dir):
         leases.begin_send(lease.lease_id, 3)
 
 
+def test_a_receiver_expecting_other_blocks_is_refused_and_the_lease_kept(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    leases = LeaseTable(lease_s=60)
+    lease = leases.grant(_prefilled(engine, list(range(100, 140)), "a"))  # 3 blocks
+    with pytest.raises(ValueError, match="num_blocks: this lease holds 2 blocks"):
+        leases.begin_send(lease.lease_id, 1, num_blocks=5)
+    assert leases.begin_send(lease.lease_id, 1, num_blocks=2) == lease.request.block_ids[1:]
+
+
 def test_unpulled_lease_expires_but_not_while_sending(tiny_model_dir):
     engine = _engine(tiny_model_dir)
     leases = LeaseTable(lease_s=0.0)
