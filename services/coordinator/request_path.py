@@ -235,17 +235,17 @@ class Coordinator:
 
         prompt = list(parsed.token_ids)
         generated: list[int] = []
-        sent = [0]  # characters of text the client has
+        sent_chars = 0  # characters of text the client has
         cached_tokens: int | None = None
         failed: list = []  # workers this request failed on
         while True:
-            leg = self._leg(parsed, prompt, generated, sent[0], remaining, timer, failed)
+            leg = self._leg(parsed, prompt, generated, sent_chars, remaining, timer, failed)
             try:
                 async for response, cached in leg:
                     if cached_tokens is None:
                         cached_tokens = cached
                     generated.extend(response.token_ids)
-                    sent[0] += len(response.text)
+                    sent_chars += len(response.text)
                     if response.finish_reason:
                         response.usage.CopyFrom(
                             usage(len(prompt), len(generated), cached_tokens or 0)
