@@ -145,12 +145,13 @@ def test_prefill_worker_killed_with_requests_in_flight(cluster, reference):
     restart(cluster, "p1")
 
 
-def conversation_hit_rate(cluster, policy: str, tag: str) -> float:
+def conversation_hit_rate(cluster, policy: str, tag: str) -> tuple[float, list[list]]:
     """Multi-turn chats (a long per-conversation system prompt, 3 turns each; 3 clients
-    running 2 chats each) through a coordinator with `policy`; the prefill workers'
-    prefix-cache hit rate over them. The shared prefix (~26 blocks) outweighs the load term
-    of the queues 3 clients can build (8 per request), so on a slow machine prefix_aware
-    still follows the cache rather than trading hits for balance, as it should under load."""
+    running 2 chats each) through a coordinator with `policy`: the prefill workers'
+    prefix-cache hit rate over them, and each chat's (prompt_tokens, cached_tokens) per turn.
+    The shared prefix (~26 blocks) outweighs the load term of the queues 3 clients can build
+    (8 per request), so on a slow machine prefix_aware still follows the cache rather than
+    trading hits for balance, as it should under load."""
     services = cluster["services"]
     prefills = [services["p0"], services["p1"]]
 
@@ -159,6 +160,7 @@ def conversation_hit_rate(cluster, policy: str, tag: str) -> float:
         h = sum(p.metric("pdserve_prefix_cache_hits_total") for p in prefills)
         return q, h
 
+    turns: dict[int, list[tuple[int, int]]] = {}
     with running(
         "coordinator",
         f"--prefill-workers={prefills[0].grpc},{prefills[1].grpc}",
@@ -170,13 +172,13 @@ def conversation_hit_rate(cluster, policy: str, tag: str) -> float:
         def chat(i: int) -> None:
             system = f"[{tag}-{i}] " + " ".join(f"Rule {k}: be brief and kind." for k in range(50))
             messages = [generate_pb2.ChatMessage(role="system", content=system)]
+            turns[i] = []
             with grpc.insecure_channel(coordinator.grpc) as channel:
                 stub = generate_pb2_grpc.GenerateServiceStub(channel)
                 for turn in range(3):
                     messages.append(generate_pb2.ChatMessage(role="user", content=f"Step {turn}?"))
-                    reply = "".join(
-                        r.text
-                        for r in stub.Generate(
+                    responses = list(
+                        stub.Generate(
                             generate_pb2.GenerateRequest(
                                 messages=messages,
                                 sampling=generate_pb2.SamplingParams(max_tokens=6, temperature=0),
@@ -184,6 +186,9 @@ def conversation_hit_rate(cluster, policy: str, tag: str) -> float:
                             timeout=300,
                         )
                     )
+                    usage = responses[-1].usage
+                    turns[i].append((usage.prompt_tokens, usage.cached_tokens))
+                    reply = "".join(r.text for r in responses)
                     messages.append(generate_pb2.ChatMessage(role="assistant", content=reply))
 
         def client(first: int) -> None:
@@ -197,13 +202,24 @@ def conversation_hit_rate(cluster, policy: str, tag: str) -> float:
             t.join()
         time.sleep(0.5)  # the workers' counters trail their engine by a step
         q1, h1 = counters()
-    return (h1 - h0) / (q1 - q0)
+    return (h1 - h0) / (q1 - q0), [turns[i] for i in sorted(turns)]
 
 
 def test_prefix_aware_routing_beats_round_robin(cluster):
-    round_robin = conversation_hit_rate(cluster, "round_robin", "rr")
-    prefix_aware = conversation_hit_rate(cluster, "prefix_aware", "pa")
-    assert prefix_aware >= round_robin + 0.15, (prefix_aware, round_robin)
+    """prefix_aware sends every later turn of a chat to the prefill worker holding its
+    history: each turn finds all full blocks of the turn before it (but at most the block
+    the reply's first token may retokenize). Round-robin's hits depend on how the three
+    clients' requests happen to interleave (anywhere from every later turn missing to
+    nearly all hitting), so it is the floor prefix_aware must reach, not a fixed margin."""
+    block = 16
+    round_robin, _ = conversation_hit_rate(cluster, "round_robin", "rr")
+    prefix_aware, chats = conversation_hit_rate(cluster, "prefix_aware", "pa")
+    assert len(chats) == 6 and all(len(turns) == 3 for turns in chats)
+    for turns in chats:
+        assert turns[0][1] == 0, turns  # a fresh system prompt: nothing to hit
+        for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
+            assert cached >= (previous_prompt // block - 1) * block, (turns, prefix_aware)
+    assert prefix_aware >= round_robin, (prefix_aware, round_robin)
 
 
 def test_short_uncached_tail_is_prefilled_on_decode(cluster):
