@@ -62,6 +62,13 @@ class EngineLoop:
         """Run `fn` in the engine thread between steps; its exception is raised here."""
         return await asyncio.wrap_future(self.submit(fn))
 
+    async def cleanup(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` (a request's cleanup) in the engine thread, queued before this returns
+        control (so before anything a later request queues: a reused request id can never
+        be aborted in its place, nor be refused as still in the engine), and wait for it
+        even if the caller is cancelled meanwhile."""
+        await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue `fn` for the engine thread without waiting for it (any thread)."""
         future: Future[T] = Future()
@@ -129,7 +136,7 @@ class EngineLoop:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                await asyncio.shield(self.call(lambda: self.engine.abort_request(request_id)))
+                await self.cleanup(lambda: self.engine.abort_request(request_id))
 
     def close_stream(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

@@ -183,7 +183,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if not finished:  # the stream never started, or ended early: end it here
                 loop.close_stream(request.request_id)
-                await asyncio.shield(loop.call(lambda: loop.engine.drop(req)))
+                await loop.cleanup(lambda: loop.engine.drop(req))
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
             if finished:
