@@ -8,7 +8,7 @@ it is reused for new data, which happens in LRU order from the head of the list.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -78,6 +78,9 @@ class BlockPool:
         # (stored?, hash) changes of `cached` since the last drain, while recording: what a
         # worker streams to the coordinator's prefix-aware router.
         self._events: list[tuple[bool, int]] | None = None
+        # Called with a cached block about to be reused for new data (its KV still in
+        # place): the KV manager's hook that spills it to the tier below.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,6 +96,9 @@ class BlockPool:
         taken = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            hook = self.on_evict
+            if hook is not None and self.cached.get(block.block_hash or -1) is block:
+                hook(block)
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)

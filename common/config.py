@@ -53,6 +53,10 @@ class EngineConfig:
     # None: the model's own limit (max_position_embeddings).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # A local-disk tier below the KV pool: evicted prefix blocks are written here and read
+    # back on a hit (None: evicted blocks are dropped). At most kv_offload_gb GiB.
+    kv_offload_dir: str | None = None
+    kv_offload_gb: float = 4.0
     # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts).
     count_expert_tokens: bool = False
     # MoE models: split the experts over this many rank processes.
@@ -112,6 +116,13 @@ class EngineConfig:
             )
         if self.eplb_interval < 1:
             raise ValueError(f"eplb_interval: must be at least 1, got {self.eplb_interval}")
+        if self.kv_offload_gb <= 0:
+            raise ValueError(f"kv_offload_gb: must be > 0, got {self.kv_offload_gb}")
+        if self.kv_offload_dir and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offload_dir: the tier holds prefix-cache blocks; it needs prefix caching "
+                "(drop --no-prefix-caching)"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         return self

@@ -23,6 +23,7 @@ from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_cache_manager import KVCacheManager
+from pdserve.common.kv_offload import DiskTier
 from pdserve.common.model_files import resolve_model
 from pdserve.common.model_runner import ModelRunner
 from pdserve.common.prompts import Prompt, max_model_len, tokenize_prompt
@@ -65,12 +66,35 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        if config.kv_offload_dir:
+            self.kv_cache.attach_tier(self._disk_tier(config), self.runner.kv_cache)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.eos_token_ids = self._eos_token_ids()
         self._ids = itertools.count()
         self.last_batch_size = 0  # requests in the last step (0: nothing could be scheduled)
+
+    def _disk_tier(self, config: EngineConfig) -> DiskTier:
+        assert config.kv_offload_dir is not None
+        kv = self.runner.kv_cache
+        try:
+            return DiskTier(
+                config.kv_offload_dir,
+                int(config.kv_offload_gb * 2**30),
+                self.runner.layout_fingerprint,
+                kv.shape[1:],
+                kv.dtype,
+            )
+        except OSError as e:
+            raise ValueError(
+                f"kv_offload_dir: cannot use {config.kv_offload_dir!r} for the KV tier: {e}"
+            ) from e
+
+    def close(self) -> None:
+        """Finish the tier's pending writes (so a restart finds them) and stop its thread."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.close()
 
     def _eos_token_ids(self) -> frozenset[int]:
         """EOS ids from the model config, the generation config (where chat models list

@@ -3,13 +3,30 @@ request is first scheduled, allocation of the slots each step needs (all or noth
 scheduler can preempt), registration of full blocks once their KV is written, and freeing.
 
 A prefix hit never covers the last prompt token: that token must be computed to produce the
-logits the first output token is sampled from."""
+logits the first output token is sampled from.
+
+With a tier below the pool (`attach_tier`), a cached block the pool reuses is first copied
+to the tier, and a request's prefix blocks that the pool lacks but the tier holds are read
+back into pool blocks (registered in the prefix cache like any other) before the request is
+admitted: from then on they are ordinary pool hits."""
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 from pdserve.common.block_hashing import ROOT_HASH, block_hashes
 from pdserve.common.block_pool import BlockPool, KVCacheBlock
+from pdserve.common.kv_offload import LOADING
 from pdserve.common.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.common.kv_offload import DiskTier
+
+# An idle engine waits for its tier's reads (nothing else to run); at most this long.
+TIER_WAIT_S = 5.0
 
 
 class KVCacheManager:
@@ -17,6 +34,76 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.tier: DiskTier | None = None
+        self._kv: torch.Tensor | None = None
+        self.tier_hit_tokens = 0  # prompt tokens read back from the tier into the pool
+
+    def attach_tier(self, tier: DiskTier, kv_cache: torch.Tensor) -> None:
+        """Spill evicted cached blocks of `kv_cache` (block-major) to `tier`, and read
+        them back on a hit."""
+        if not self.enable_prefix_caching:
+            return
+        self.tier = tier
+        self._kv = kv_cache
+        self.pool.on_evict = self._spill
+
+    def _spill(self, block: KVCacheBlock) -> None:
+        assert self.tier is not None and self._kv is not None
+        assert block.block_hash is not None and block.token_ids is not None
+        self.tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
+
+    def _tier_candidates(self, request: Request) -> tuple[int, list[int]]:
+        """(pool hits, the hashes after them up to the last full prompt block)."""
+        self._update_hashes(request)
+        start = len(self.find_cached_prefix(request))
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return start, request.block_hashes[start:max_blocks]
+
+    def prefetch(self, request: Request) -> None:
+        """Start reading the tier's blocks of this request's prefix (on arrival, so the
+        reads overlap its wait in the queue)."""
+        if self.tier is not None:
+            self.tier.lookup(self._tier_candidates(request)[1])
+
+    def load_from_tier(self, request: Request, wait: bool = False) -> bool:
+        """Bring the tier's blocks of this request's prefix into the pool. False while some
+        are still being read (unless `wait`: then wait for them, bounded)."""
+        if self.tier is None:
+            return True
+        start, hashes = self._tier_candidates(request)
+        held, ready = self.tier.lookup(hashes)
+        deadline = time.monotonic() + TIER_WAIT_S
+        while held and not ready and wait and time.monotonic() < deadline:
+            # A block may also go from being written to on disk meanwhile: look again.
+            self.tier.wait_ready(hashes[:held], deadline - time.monotonic())
+            held, ready = self.tier.lookup(hashes[:held])
+        if not ready:
+            return False
+        if held == 0:
+            return True
+        hits = self.find_cached_prefix(request)
+        self.pool.touch(hits)  # taking blocks below must not evict the pool's own hits
+        try:
+            self._promote(request, start, min(held, self.pool.num_free_blocks))
+        finally:
+            self.pool.free_blocks(reversed(hits))
+        return True
+
+    def _promote(self, request: Request, start: int, n: int) -> None:
+        assert self.tier is not None and self._kv is not None
+        bs = self.block_size
+        blocks: list[KVCacheBlock] = []
+        for i in range(start, start + n):
+            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+            kv = self.tier.take(request.block_hashes[i], tokens)
+            if kv is None or kv is LOADING:  # a miss: corrupt, or other tokens
+                break
+            block = self.pool.get_new_blocks(1)[0]
+            self._kv[block.block_id].copy_(kv)  # type: ignore[arg-type]  # a tensor here
+            self.pool.cache_block(block, request.block_hashes[i], tokens)
+            blocks.append(block)
+        self.tier_hit_tokens += len(blocks) * bs
+        self.pool.free_blocks(reversed(blocks))
 
     @property
     def num_free_blocks(self) -> int:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.request import Request, RequestStatus
 
@@ -62,9 +63,12 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+            raise InvalidRequestError(
+                "request_id", f"{request.request_id!r} is already in use here"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.kv_cache.prefetch(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -100,6 +104,10 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            # Its prefix blocks in the tier below come back first; an engine with nothing
+            # running waits for the reads, a busy one tries again next step.
+            if not self.kv_cache.load_from_tier(request, wait=not self.running):
+                break
             cached = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -137,7 +145,9 @@ class Scheduler:
         """Join a request whose KV is already in its blocks (pulled from a prefill worker)
         straight into the running batch."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+            raise InvalidRequestError(
+                "request_id", f"{request.request_id!r} is already in use here"
+            )
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)

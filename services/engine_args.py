@@ -103,6 +103,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="model steps between two re-placements of the redundant experts "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--kv-offload-dir",
+        metavar="DIR",
+        default=env("kv_offload_dir"),
+        help="a local-disk tier below the KV cache: evicted prefix blocks are written here "
+        "and read back when a later prompt shares them (default: off)",
+    )
+    g.add_argument(
+        "--kv-offload-gb",
+        type=float,
+        metavar="GB",
+        default=float(env("kv_offload_gb", "4")),
+        help="size of the --kv-offload-dir tier in GiB; least recently used blocks go first "
+        "(default: %(default)s)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=env("no_prefix_caching", "0") not in ("0", "", "false"),
                    help="turn off automatic prefix caching")  # fmt: skip
@@ -136,6 +151,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_gb=args.kv_offload_gb,
         expert_parallel=args.expert_parallel,
         redundant_experts=args.redundant_experts,
         eplb_interval=args.eplb_interval,
@@ -179,6 +196,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--max-model-len", args.max_model_len),
+        ("--kv-offload-dir", args.kv_offload_dir),
+        ("--kv-offload-gb", args.kv_offload_gb if args.kv_offload_dir else None),
         ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),
         ("--redundant-experts", args.redundant_experts or None),
         ("--eplb-interval", args.eplb_interval if args.eplb_interval != 64 else None),

@@ -127,6 +127,8 @@ def join_expert_parallel_group(args: argparse.Namespace, engine_flags: list[str]
         address = os.environ[ADDRESS_ENV]
     if args.device == "cuda":
         args.device = f"cuda:{_group.rank}"
+    if getattr(args, "kv_offload_dir", None):  # each rank has its own pool, so its own tier
+        args.kv_offload_dir = os.path.join(args.kv_offload_dir, f"ep{_group.rank}")
     init_group(_group.rank, world, address, args.device, float(os.environ.get(TIMEOUT_ENV, "300")))
     return _group
 

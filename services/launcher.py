@@ -132,8 +132,10 @@ def _run_serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        for role in roles:
+        for i, role in enumerate(roles):
             child_args = argparse.Namespace(**{**vars(args), "threads": threads})
+            if args.kv_offload_dir:  # each worker its own tier (its own index and LRU)
+                child_args.kv_offload_dir = os.path.join(args.kv_offload_dir, f"{role}-{i}")
             children.append(ServiceChild(role, [*common, *engine_argv(child_args)], tls_env))
         # An expert-parallel worker is a group of ranks, each an endpoint of its own.
         workers = [

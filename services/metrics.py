@@ -136,6 +136,54 @@ class MoeRoutingCollector(Collector):
             yield family
 
 
+class KvOffloadCollector(Collector):
+    """The disk tier below the KV pool (`--kv-offload-dir`), read from its counts when
+    scraped: tokens served from it, blocks stored and evicted, bytes and seconds of its
+    reads and writes, its usage."""
+
+    def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
+        self.kv = engine.kv_cache
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        tier = self.kv.tier
+        if tier is None:
+            return
+        stats = tier.stats
+        names, values = list(self.labels), list(self.labels.values())
+        for name, text, value in [
+            ("pdserve_kv_offload_hits", "Prompt tokens read back from the disk tier into "
+             "the pool (also counted in pdserve_prefix_cache_hits_total)", self.kv.tier_hit_tokens),
+            ("pdserve_kv_offload_stores", "KV blocks written to the disk tier", stats.stores),
+            ("pdserve_kv_offload_store_bytes", "Bytes written to the disk tier", stats.store_bytes),
+            ("pdserve_kv_offload_store_seconds", "Seconds spent writing blocks",
+             stats.store_seconds),
+            ("pdserve_kv_offload_loads", "KV blocks read from the disk tier", stats.loads),
+            ("pdserve_kv_offload_load_bytes", "Bytes read from the disk tier", stats.load_bytes),
+            ("pdserve_kv_offload_load_seconds", "Seconds spent reading blocks", stats.load_seconds),
+            ("pdserve_kv_offload_evictions", "Blocks deleted from the disk tier to stay within "
+             "--kv-offload-gb", stats.evictions),
+            ("pdserve_kv_offload_dropped", "Evicted blocks not stored because too many waited "
+             "to be written", stats.dropped),
+            ("pdserve_kv_offload_corrupt", "Blocks on disk that failed their checksum or size "
+             "check (treated as misses and deleted)", stats.corrupt),
+        ]:  # fmt: skip
+            family = CounterMetricFamily(name, text, labels=names)
+            family.add_metric(values, value)
+            yield family
+        for name, text, value in [
+            ("pdserve_kv_offload_used_bytes", "Bytes of KV blocks on the disk tier",
+             tier.used_bytes),
+            ("pdserve_kv_offload_capacity_bytes", "The disk tier's capacity (--kv-offload-gb)",
+             tier.capacity_bytes),
+            ("pdserve_kv_offload_blocks", "KV blocks held by the disk tier (on disk or being "
+             "written)", tier.num_blocks()),
+        ]:  # fmt: skip
+            gauge = GaugeMetricFamily(name, text, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+
+
 class WorkerMetrics:
     """The metrics of one worker, labelled once."""
 
@@ -159,6 +207,8 @@ class WorkerMetrics:
         self.sync_prefix_cache()
         if engine.runner.expert_counter is not None:
             REGISTRY.register(MoeRoutingCollector(engine.runner, labels))
+        if engine.kv_cache.tier is not None:
+            REGISTRY.register(KvOffloadCollector(engine, labels))
 
     def refused(self, reason: str) -> None:
         REFUSED.labels(**self.labels, reason=reason).inc()

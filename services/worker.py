@@ -120,6 +120,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     async def shutdown() -> None:
         await status.stop()
         loop.stop()
+        loop.engine.close()
         if group is not None:
             group.reap_children()
         if transport is not None:

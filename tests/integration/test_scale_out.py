@@ -8,6 +8,7 @@ worker started again later is picked up and used."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import signal
 import socket
 import threading
@@ -217,7 +218,7 @@ def test_prefix_aware_routing_beats_round_robin(cluster):
     assert len(chats) == 6 and all(len(turns) == 3 for turns in chats)
     for turns in chats:
         assert turns[0][1] == 0, turns  # a fresh system prompt: nothing to hit
-        for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
+        for (previous_prompt, _), (_, cached) in itertools.pairwise(turns):
             assert cached >= (previous_prompt // block - 1) * block, (turns, prefix_aware)
     assert prefix_aware >= round_robin, (prefix_aware, round_robin)
 

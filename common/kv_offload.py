@@ -1,0 +1,381 @@
+"""The disk tier of the KV cache: full prefix blocks the pool evicts are written here instead
+of vanishing, and a later request whose prefix misses the pool but hits this tier has them
+read back into pool blocks before it is scheduled.
+
+A block is one file, `<hash as 16 hex digits>.kvb`, under a folder named by a digest of the
+worker's KV layout fingerprint (so a tier only ever serves blocks of its own layout): a
+header (magic, the chained block hash, the block's token ids, the payload's CRC-32) and
+then the block's raw KV bytes. Files are written to a temporary name and renamed, so a
+crash leaves either a whole block or none; a block whose checksum, size or tokens do not
+match is a miss (and deleted), never wrong KV. The index (hash → bytes, least recently used
+first) is rebuilt from the folder at start, oldest file first.
+
+All disk work runs on one I/O thread, reads before writes. The engine thread only copies a
+block out (`store`: the copy waits in memory until written, and serves hits meanwhile) or
+takes one that was read (`take`); neither ever waits for the disk. When more than
+`max_pending_bytes` wait to be written, further stores are dropped (counted)."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import weakref
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Block = tuple[tuple[int, ...], torch.Tensor]  # token ids, KV
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PDKVB1\0\0"
+# magic, block hash, payload CRC-32, payload bytes, token count; then the token ids (u32).
+HEADER = struct.Struct("<8sQIQI")
+SUFFIX = ".kvb"
+LOADING = object()  # `take`: the block is being read; ask again later
+
+
+@dataclass
+class TierStats:
+    """Running counts, read by the worker's metrics."""
+
+    stores: int = 0  # blocks written to disk
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    loads: int = 0  # blocks read back from disk
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    hits: int = 0  # blocks handed back to the pool (read, or still waiting to be written)
+    evictions: int = 0  # blocks deleted to stay within capacity
+    dropped: int = 0  # stores refused because too much waited to be written
+    corrupt: int = 0  # files whose header, size, tokens or checksum did not match
+
+
+# Tiers still open at exit finish their writes first (an I/O thread cut off inside torch at
+# interpreter teardown aborts the process).
+_open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_tiers() -> None:
+    for tier in list(_open_tiers):
+        tier.close()
+
+
+def layout_folder(root: Path, fingerprint: str) -> Path:
+    return root / hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int,
+        fingerprint: str,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        max_pending_bytes: int = 256 * 2**20,
+    ) -> None:
+        self.folder = layout_folder(Path(root), fingerprint)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "LAYOUT").write_text(fingerprint + "\n")
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.block_bytes = torch.empty(self.block_shape, dtype=dtype).nbytes
+        self.capacity_bytes = capacity_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.stats = TierStats()
+        self._lock = threading.Condition()
+        self._index: OrderedDict[int, int] = OrderedDict()  # on disk: hash -> file bytes
+        self._pending: dict[int, Block] = {}  # to be written
+        self._loaded: dict[int, Block | None] = {}  # None: being read
+        self._reads: deque[int] = deque()
+        self._writes: deque[int] = deque()
+        self._stopped = False
+        self.used_bytes = 0
+        self._recover()
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-offload", daemon=True)
+        self._thread.start()
+        _open_tiers.add(self)
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    def store(self, block_hash: int, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Offer an evicted block: `kv` is copied now and written later. Never waits."""
+        with self._lock:
+            if block_hash in self._pending:
+                return
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+                return
+            if (len(self._pending) + 1) * self.block_bytes > self.max_pending_bytes:
+                self.stats.dropped += 1
+                return
+            copy = torch.empty(self.block_shape, dtype=self.dtype)
+            copy.copy_(kv)
+            self._pending[block_hash] = (tuple(token_ids), copy)
+            self._writes.append(block_hash)
+            self._lock.notify()
+
+    def lookup(self, hashes: Sequence[int]) -> tuple[int, bool]:
+        """How many of `hashes`, from the first, this tier holds, and whether all of those
+        can be taken now. Blocks on disk that are not read yet are queued for reading."""
+        held, ready = 0, True
+        with self._lock:
+            for h in hashes:
+                if h in self._pending or self._loaded.get(h) is not None:
+                    pass
+                elif h in self._loaded:  # being read
+                    ready = False
+                elif h in self._index:
+                    self._loaded[h] = None
+                    self._reads.append(h)
+                    ready = False
+                else:
+                    break
+                held += 1
+            if not ready:
+                self._lock.notify()
+        return held, ready
+
+    def wait_ready(self, hashes: Sequence[int], timeout: float) -> None:
+        """Wait (at most `timeout` seconds) until none of `hashes` is being read."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while any(h in self._loaded and self._loaded[h] is None for h in hashes):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped:
+                    return
+                self._lock.wait(left)
+
+    def prefetch(self, hashes: Sequence[int]) -> None:
+        """Start reading these blocks (those on disk and not already read or queued)."""
+        with self._lock:
+            for h in hashes:
+                if h in self._index and h not in self._loaded and h not in self._pending:
+                    self._loaded[h] = None  # None: being read
+                    self._reads.append(h)
+            self._lock.notify()
+
+    def take(self, block_hash: int, token_ids: Sequence[int]) -> torch.Tensor | object | None:
+        """The block's KV if this tier holds it with these tokens (a tensor the caller
+        owns), `LOADING` while it is being read, else None (a miss). A block on disk that
+        was not prefetched is queued for reading and reported `LOADING`."""
+        tokens = tuple(token_ids)
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                if pending[0] != tokens:
+                    return None
+                self.stats.hits += 1
+                return pending[1].clone()
+            if block_hash in self._loaded:
+                loaded = self._loaded[block_hash]
+                if loaded is None:
+                    return LOADING
+                del self._loaded[block_hash]
+                if loaded[0] != tokens:
+                    return None
+                self.stats.hits += 1
+                return loaded[1]
+            if block_hash in self._index:
+                self._loaded[block_hash] = None
+                self._reads.append(block_hash)
+                self._lock.notify()
+                return LOADING
+            return None
+
+    def forget_loaded(self) -> None:
+        """Drop blocks read for requests that never took them (they stay on disk)."""
+        with self._lock:
+            for h in [h for h, v in self._loaded.items() if v is not None]:
+                del self._loaded[h]
+
+    def num_blocks(self) -> int:
+        with self._lock:
+            return len(self._index) + len(self._pending)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every pending block is written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.05))
+            return not self._pending
+
+    def close(self) -> None:
+        _open_tiers.discard(self)
+        if self._stopped:
+            return
+        self.flush(timeout=10.0)
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+        self._thread.join(timeout=10.0)
+
+    # ---- the I/O thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._reads and not self._writes and not self._stopped:
+                    self._lock.wait()
+                if self._stopped:
+                    return
+                if self._reads:
+                    job, h = "read", self._reads.popleft()
+                else:
+                    job, h = "write", self._writes.popleft()
+            try:
+                if job == "read":
+                    self._read(h)
+                else:
+                    self._write(h)
+            except Exception:  # a full or failing disk must not take the worker down
+                logger.exception("KV offload: %s of block %016x failed", job, h)
+                with self._lock:
+                    if job == "read":
+                        self._loaded.pop(h, None)
+                    else:
+                        self._pending.pop(h, None)
+                    self._lock.notify_all()
+
+    def _path(self, block_hash: int) -> Path:
+        return self.folder / f"{block_hash:016x}{SUFFIX}"
+
+    def _write(self, block_hash: int) -> None:
+        with self._lock:
+            tokens, kv = self._pending[block_hash]
+        start = time.perf_counter()
+        payload = kv.view(torch.uint8).numpy().reshape(-1)
+        header = HEADER.pack(MAGIC, block_hash, zlib.crc32(payload), payload.nbytes, len(tokens))
+        ids = struct.pack(f"<{len(tokens)}I", *tokens)
+        size = len(header) + len(ids) + payload.nbytes
+        self._make_room(size)
+        tmp = self.folder / f".{block_hash:016x}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(ids)
+            f.write(memoryview(payload))
+        os.replace(tmp, self._path(block_hash))
+        with self._lock:
+            del self._pending[block_hash]
+            self._index[block_hash] = size
+            self.used_bytes += size
+            self.stats.stores += 1
+            self.stats.store_bytes += size
+            self.stats.store_seconds += time.perf_counter() - start
+            self._lock.notify_all()
+
+    def _make_room(self, size: int) -> None:
+        """Delete least recently used blocks until `size` more bytes fit."""
+        while True:
+            with self._lock:
+                if not self._index or self.used_bytes + size <= self.capacity_bytes:
+                    return
+                victim, victim_size = self._index.popitem(last=False)
+                self.used_bytes -= victim_size
+                self.stats.evictions += 1
+            self._path(victim).unlink(missing_ok=True)
+
+    def _read(self, block_hash: int) -> None:
+        start = time.perf_counter()
+        block = self._read_file(self._path(block_hash), block_hash)
+        with self._lock:
+            if block_hash not in self._loaded:  # forgotten meanwhile
+                return
+            if block is None:
+                del self._loaded[block_hash]
+                size = self._index.pop(block_hash, None)
+                if size is not None:
+                    self.used_bytes -= size
+                self.stats.corrupt += 1
+            else:
+                self._loaded[block_hash] = block
+                self._index.move_to_end(block_hash)
+                self.stats.loads += 1
+                self.stats.load_bytes += block[1].nbytes
+                self.stats.load_seconds += time.perf_counter() - start
+            self._lock.notify_all()
+        if block is None:
+            self._path(block_hash).unlink(missing_ok=True)
+
+    def _read_file(self, path: Path, block_hash: int) -> Block | None:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        parsed = self._parse_header(data, block_hash)
+        if parsed is None:
+            return None
+        block, crc = parsed
+        if zlib.crc32(block[1].view(torch.uint8).numpy()) != crc:
+            return None
+        return block
+
+    def _parse_header(self, data: bytes, block_hash: int) -> tuple[Block, int] | None:
+        """((token ids, payload), CRC) of a well-formed file of `block_hash`, else None."""
+        if len(data) < HEADER.size:
+            return None
+        magic, h, crc, nbytes, ntokens = HEADER.unpack_from(data)
+        offset = HEADER.size + 4 * ntokens
+        if magic != MAGIC or h != block_hash or nbytes != self.block_bytes:
+            return None
+        if len(data) != offset + nbytes:
+            return None
+        tokens = struct.unpack_from(f"<{ntokens}I", data, HEADER.size)
+        kv = torch.frombuffer(bytearray(memoryview(data)[offset:]), dtype=torch.uint8)
+        return (tokens, kv.view(self.dtype).view(self.block_shape)), crc
+
+    def _recover(self) -> None:
+        """Rebuild the index from the folder: files whose header and size check out, oldest
+        first (the checksum is checked when a block is read). Leftover temporary files and
+        blocks past the capacity are deleted."""
+        found = []
+        for path in self.folder.iterdir():
+            if path.name.startswith(".") and path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != SUFFIX:
+                continue
+            try:
+                block_hash = int(path.stem, 16)
+                stat = path.stat()
+                with open(path, "rb") as f:
+                    head = f.read(HEADER.size)
+            except (ValueError, OSError):
+                continue
+            if len(head) < HEADER.size:
+                path.unlink(missing_ok=True)
+                continue
+            magic, h, _, nbytes, ntokens = HEADER.unpack(head)
+            expected = HEADER.size + 4 * ntokens + nbytes
+            if magic != MAGIC or h != block_hash or nbytes != self.block_bytes:
+                path.unlink(missing_ok=True)
+                continue
+            if stat.st_size != expected:
+                path.unlink(missing_ok=True)
+                self.stats.corrupt += 1
+                continue
+            found.append((stat.st_mtime_ns, block_hash, stat.st_size))
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = size
+            self.used_bytes += size
+        self._make_room(0)
+        if self._index:
+            logger.info(
+                "KV offload: %d blocks (%.2f GiB) recovered from %s",
+                len(self._index), self.used_bytes / 2**30, self.folder,
+            )  # fmt: skip

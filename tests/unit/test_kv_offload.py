@@ -1,0 +1,180 @@
+"""The disk tier below the KV pool: blocks round-trip bit-exactly (float32 and bfloat16),
+least recently used blocks are deleted first, a corrupt or truncated file is a miss (never
+wrong KV), the index is recovered at restart (and only for the same layout), stores never
+wait for the disk, and the KV manager spills evicted blocks and reads them back as prefix
+hits without leaking a block."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pdserve.common.kv_cache_manager import KVCacheManager
+from pdserve.common.kv_offload import HEADER, LOADING, DiskTier
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
+
+SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block size, kv heads, head dim
+LAYOUT = "test/float32/block=4"
+
+
+def _tier(root, dtype=torch.float32, blocks: float = 16, layout=LAYOUT, **kw) -> DiskTier:
+    return DiskTier(root, int(blocks * _file_bytes(dtype)), layout, SHAPE, dtype, **kw)
+
+
+def _file_bytes(dtype=torch.float32) -> int:
+    return HEADER.size + 4 * SHAPE[2] + torch.empty(SHAPE, dtype=dtype).nbytes
+
+
+def _kv(seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _read(tier: DiskTier, h: int, tokens) -> torch.Tensor | None:
+    """Take a block, waiting for its read."""
+    held, _ = tier.lookup([h])
+    if held:
+        tier.wait_ready([h], 10)
+    out = tier.take(h, tokens)
+    assert out is not LOADING
+    return out  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_round_trip_bit_exact(tmp_path, dtype):
+    tier = _tier(tmp_path, dtype)
+    blocks = {h: (_kv(h, dtype), [h, h + 1, h + 2, h + 3]) for h in (1, 2, 3)}
+    for h, (kv, tokens) in blocks.items():
+        tier.store(h, tokens, kv)
+    assert torch.equal(tier.take(1, blocks[1][1]), blocks[1][0])  # served while pending
+    assert tier.flush()
+    assert tier.stats.stores == 3 and len(list(tier.folder.glob("*.kvb"))) == 3
+    for h, (kv, tokens) in blocks.items():
+        assert tier.take(h, tokens) is LOADING  # on disk, not read yet: queued now
+        tier.wait_ready([h], 10)
+        out = tier.take(h, tokens)
+        assert out.dtype == dtype and torch.equal(out, kv)
+    assert tier.stats.loads == 3
+    assert _read(tier, 1, [0, 0, 0, 0]) is None  # same hash, other tokens: a miss
+    assert _read(tier, 99, [1, 2, 3, 4]) is None
+    tier.close()
+
+
+def test_least_recently_used_block_goes_first(tmp_path):
+    tier = _tier(tmp_path, blocks=3)
+    for h in (1, 2, 3):
+        tier.store(h, [h] * 4, _kv(h))
+        assert tier.flush()
+    assert _read(tier, 1, [1] * 4) is not None  # a hit makes 1 the most recent
+    tier.store(4, [4] * 4, _kv(4))
+    assert tier.flush()
+    assert tier.lookup([2]) == (0, True)  # 2 was the least recently used
+    assert [tier.lookup([h])[0] for h in (1, 3, 4)] == [1, 1, 1]
+    assert tier.stats.evictions == 1 and tier.used_bytes <= tier.capacity_bytes
+    assert sorted(p.name for p in tier.folder.glob("*.kvb")) == [f"{h:016x}.kvb" for h in (1, 3, 4)]
+    tier.close()
+
+
+def test_corrupt_or_truncated_block_is_a_miss(tmp_path):
+    tier = _tier(tmp_path)
+    tier.store(1, [1] * 4, _kv(1))
+    tier.store(2, [2] * 4, _kv(2))
+    assert tier.flush()
+    path = tier.folder / f"{1:016x}.kvb"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one bit of the payload
+    path.write_bytes(bytes(data))
+    assert _read(tier, 1, [1] * 4) is None
+    assert tier.stats.corrupt == 1 and not path.exists() and tier.lookup([1]) == (0, True)
+    short = tier.folder / f"{2:016x}.kvb"
+    short.write_bytes(short.read_bytes()[:-7])
+    assert _read(tier, 2, [2] * 4) is None and tier.stats.corrupt == 2
+    tier.close()
+
+
+def test_index_recovered_at_restart_for_the_same_layout_only(tmp_path):
+    tier = _tier(tmp_path, blocks=3)
+    for h in (1, 2, 3):
+        tier.store(h, [h] * 4, _kv(h))
+        assert tier.flush()
+    tier.close()
+    (tier.folder / f"{3:016x}.kvb").write_bytes(b"PDKVB1")  # a torn file
+    (tier.folder / ".0000000000000009.123.tmp").write_bytes(b"x")  # a write cut short
+    again = _tier(tmp_path, blocks=3)
+    assert again.num_blocks() == 2 and again.used_bytes == 2 * _file_bytes()
+    assert torch.equal(_read(again, 2, [2] * 4), _kv(2))
+    assert not list(again.folder.glob("*.tmp"))
+    # The oldest recovered block is the least recently used: it goes first.
+    again.store(4, [4] * 4, _kv(4))
+    again.store(5, [5] * 4, _kv(5))
+    assert again.flush()
+    assert again.lookup([1]) == (0, True) and again.lookup([2])[0] == 1
+    again.close()
+    other = _tier(tmp_path, layout="test/bfloat16/block=4")
+    assert other.num_blocks() == 0 and other.folder != again.folder
+    other.close()
+
+
+def test_store_never_waits_for_the_disk(tmp_path):
+    tier = _tier(tmp_path, max_pending_bytes=3 * torch.empty(SHAPE).nbytes)
+    disk = threading.Event()
+    write = tier._write
+    tier._write = lambda h: (disk.wait(), write(h))  # type: ignore[method-assign]
+    stored = threading.Event()
+
+    def store_all() -> None:
+        for h in range(1, 6):
+            tier.store(h, [h] * 4, _kv(h))
+        stored.set()
+
+    threading.Thread(target=store_all, daemon=True).start()
+    assert stored.wait(30), "store waited for a stalled disk"
+    assert tier.stats.dropped == 2  # three fit in the pending budget
+    assert torch.equal(tier.take(2, [2] * 4), _kv(2))  # a pending block serves hits
+    disk.set()
+    assert tier.flush()
+    assert tier.stats.stores == 3
+    tier.close()
+
+
+BS = SHAPE[2]
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=SamplingParams())
+
+
+def _prefill(kv: KVCacheManager, cache: torch.Tensor, request: Request) -> int:
+    """Admit and compute a request's prompt (its KV: a function of token and position) the
+    way the scheduler does; free it. Returns the prefix-hit tokens."""
+    assert kv.load_from_tier(request, wait=True)
+    cached = kv.find_cached_prefix(request)
+    assert kv.allocate_slots(request, request.num_tokens - len(cached) * BS, cached)
+    for i, block in enumerate(request.blocks[len(cached) :], start=len(cached)):
+        tokens = request.all_token_ids[i * BS : (i + 1) * BS]
+        cache[block.block_id] = float(sum(tokens) + 1000 * i)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    for i, block in enumerate(request.blocks[: request.num_tokens // BS]):
+        tokens = request.all_token_ids[i * BS : (i + 1) * BS]
+        assert torch.all(cache[block.block_id] == float(sum(tokens) + 1000 * i)), i
+    kv.free(request)
+    return len(cached) * BS
+
+
+def test_manager_spills_evicted_blocks_and_reads_them_back(tmp_path):
+    cache = torch.zeros((6, *SHAPE))
+    kv = KVCacheManager(6, BS)
+    kv.attach_tier(_tier(tmp_path), cache)
+    a = list(range(100, 121))  # 5 full blocks and a token
+    b = list(range(500, 521))
+    assert _prefill(kv, cache, _request("a1", a)) == 0
+    assert _prefill(kv, cache, _request("b1", b)) == 0  # evicts a's blocks: spilled
+    assert kv.tier is not None and kv.tier.stats.dropped == 0
+    assert _prefill(kv, cache, _request("a2", a)) == 20  # all of a's full blocks, from disk
+    assert kv.tier_hit_tokens > 0
+    assert _prefill(kv, cache, _request("b2", b)) == 20
+    assert kv.num_free_blocks == 6
+    kv.tier.close()

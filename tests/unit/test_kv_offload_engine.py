@@ -1,0 +1,71 @@
+"""The disk tier in the engine: with a pool far too small for a multi-turn workload, greedy
+ids with the tier equal those of a pool that holds everything (bit-exact: a block read back
+is the block that was computed), the tier turns the repeats into prefix hits that the small
+pool alone misses, a block corrupted on disk is recomputed (same ids), and no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# Four conversations, each with its own 80-token history (5 blocks), asked twice in turn:
+# the pool (12 blocks) holds about two, so the second round finds the rest only on disk.
+HISTORIES = [list(range(1000 + 200 * c, 1080 + 200 * c)) for c in range(4)]
+ROUNDS = [[[*h, 7, 8 + r, 9] for h in HISTORIES] for r in range(2)]
+
+
+def _engine(model_dir, dtype: str, **kw) -> LLMEngine:
+    config = dict(model=str(model_dir), dtype=dtype, threads=1, max_num_seqs=1)
+    return LLMEngine(EngineConfig(**{**config, **kw}))
+
+
+def _run(engine: LLMEngine, between=None) -> list[list[int]]:
+    ids = []
+    for r, prompts in enumerate(ROUNDS):
+        if r and between is not None:
+            between(engine)
+        ids += [out.token_ids for out in engine.generate(prompts, GREEDY)]
+    return ids
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tier_gives_the_unbounded_pools_ids_and_its_hits(tiny_model_dir, tmp_path, dtype):
+    unbounded = _engine(tiny_model_dir, dtype, kv_cache_tokens=4096)
+    expected = _run(unbounded)
+    small = _engine(tiny_model_dir, dtype, kv_cache_tokens=192)
+    assert _run(small) == expected
+    tiered = _engine(tiny_model_dir, dtype, kv_cache_tokens=192, kv_offload_dir=str(tmp_path))
+    assert _run(tiered) == expected
+    hits = {e: e.scheduler.stats.prefix_cache_hits for e in (unbounded, small, tiered)}
+    assert hits[tiered] == hits[unbounded] > hits[small]
+    assert tiered.kv_cache.tier_hit_tokens > 0
+    for engine in (small, tiered):
+        assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+    tiered.close()
+
+
+def test_corrupt_blocks_on_disk_are_recomputed(tiny_model_dir, tmp_path):
+    expected = _run(_engine(tiny_model_dir, "float32", kv_cache_tokens=4096))
+
+    def corrupt_every_block(engine: LLMEngine) -> None:
+        tier = engine.kv_cache.tier
+        assert tier is not None and tier.flush()
+        files = sorted(tier.folder.glob("*.kvb"))
+        assert files
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            path.write_bytes(bytes(data))
+
+    tiered = _engine(tiny_model_dir, "float32", kv_cache_tokens=192, kv_offload_dir=str(tmp_path))
+    assert _run(tiered, between=corrupt_every_block) == expected
+    tier = tiered.kv_cache.tier
+    assert tier is not None and tier.stats.corrupt > 0
+    assert tiered.kv_cache.num_free_blocks == tiered.runner.num_blocks
+    tiered.close()
