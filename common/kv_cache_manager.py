@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from pdserve.common.block_hashing import ROOT_HASH, block_hashes
 from pdserve.common.block_pool import BlockPool, KVCacheBlock
-from pdserve.common.kv_offload import LOADING
 from pdserve.common.request import Request
 
 if TYPE_CHECKING:
@@ -70,40 +69,46 @@ class KVCacheManager:
         are still being read (unless `wait`: then wait for them, bounded)."""
         if self.tier is None:
             return True
-        start, hashes = self._tier_candidates(request)
-        held, ready = self.tier.lookup(hashes)
         deadline = time.monotonic() + TIER_WAIT_S
-        while held and not ready and wait and time.monotonic() < deadline:
-            # A block may also go from being written to on disk meanwhile: look again.
-            self.tier.wait_ready(hashes[:held], deadline - time.monotonic())
-            held, ready = self.tier.lookup(hashes[:held])
-        if not ready:
-            return False
-        if held == 0:
-            return True
+        for _ in range(4):  # a block written to disk meanwhile is read, then looked up again
+            start, hashes = self._tier_candidates(request)
+            held, ready = self.tier.lookup(hashes)
+            if held == 0:
+                return True
+            if not ready:
+                if not wait or time.monotonic() >= deadline:
+                    return False
+                self.tier.wait_ready(hashes[:held], deadline - time.monotonic())
+                continue
+            if self._promote_run(request, start, held) in (0, held):
+                return True
+        return True  # still changing under us: go on with what the pool has
+
+    def _promote_run(self, request: Request, start: int, held: int) -> int:
+        """Copy the tier's blocks `start ..` (`held` of them) into free pool blocks and
+        register them; returns how many (fewer when the pool runs out or a block is no
+        longer ready)."""
         hits = self.find_cached_prefix(request)
         self.pool.touch(hits)  # taking blocks below must not evict the pool's own hits
         try:
-            self._promote(request, start, min(held, self.pool.num_free_blocks))
+            return self._promote(request, start, min(held, self.pool.num_free_blocks))
         finally:
             self.pool.free_blocks(reversed(hits))
-        return True
 
-    def _promote(self, request: Request, start: int, n: int) -> None:
+    def _promote(self, request: Request, start: int, n: int) -> int:
         assert self.tier is not None and self._kv is not None
         bs = self.block_size
+        spans = [(request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
+                 for i in range(start, start + n)]  # fmt: skip
         blocks: list[KVCacheBlock] = []
-        for i in range(start, start + n):
-            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            kv = self.tier.take(request.block_hashes[i], tokens)
-            if kv is None or kv is LOADING:  # a miss: corrupt, or other tokens
-                break
+        for (block_hash, tokens), kv in zip(spans, self.tier.take_ready(spans), strict=False):
             block = self.pool.get_new_blocks(1)[0]
-            self._kv[block.block_id].copy_(kv)  # type: ignore[arg-type]  # a tensor here
-            self.pool.cache_block(block, request.block_hashes[i], tokens)
+            self._kv[block.block_id].copy_(kv)
+            self.pool.cache_block(block, block_hash, tokens)
             blocks.append(block)
         self.tier_hit_tokens += len(blocks) * bs
         self.pool.free_blocks(reversed(blocks))
+        return len(blocks)
 
     @property
     def num_free_blocks(self) -> int:

@@ -170,29 +170,43 @@ class DiskTier:
         """The block's KV if this tier holds it with these tokens (a tensor the caller
         owns), `LOADING` while it is being read, else None (a miss). A block on disk that
         was not prefetched is queued for reading and reported `LOADING`."""
-        tokens = tuple(token_ids)
         with self._lock:
-            pending = self._pending.get(block_hash)
-            if pending is not None:
-                if pending[0] != tokens:
-                    return None
-                self.stats.hits += 1
-                return pending[1].clone()
-            if block_hash in self._loaded:
-                loaded = self._loaded[block_hash]
-                if loaded is None:
-                    return LOADING
-                del self._loaded[block_hash]
-                if loaded[0] != tokens:
-                    return None
-                self.stats.hits += 1
-                return loaded[1]
-            if block_hash in self._index:
-                self._loaded[block_hash] = None
-                self._reads.append(block_hash)
-                self._lock.notify()
+            return self._take(block_hash, tuple(token_ids))
+
+    def take_ready(self, blocks: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """The KV of the leading (hash, token ids) blocks that can be taken now, at once (a
+        block cannot go from pending to being read halfway through)."""
+        out: list[torch.Tensor] = []
+        with self._lock:
+            for block_hash, token_ids in blocks:
+                kv = self._take(block_hash, tuple(token_ids))
+                if not isinstance(kv, torch.Tensor):
+                    break
+                out.append(kv)
+        return out
+
+    def _take(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | object | None:
+        pending = self._pending.get(block_hash)
+        if pending is not None:
+            if pending[0] != tokens:
+                return None
+            self.stats.hits += 1
+            return pending[1].clone()
+        if block_hash in self._loaded:
+            loaded = self._loaded[block_hash]
+            if loaded is None:
                 return LOADING
-            return None
+            del self._loaded[block_hash]
+            if loaded[0] != tokens:
+                return None
+            self.stats.hits += 1
+            return loaded[1]
+        if block_hash in self._index:
+            self._loaded[block_hash] = None
+            self._reads.append(block_hash)
+            self._lock.notify()
+            return LOADING
+        return None
 
     def forget_loaded(self) -> None:
         """Drop blocks read for requests that never took them (they stay on disk)."""
@@ -293,6 +307,8 @@ class DiskTier:
     def _read(self, block_hash: int) -> None:
         start = time.perf_counter()
         block = self._read_file(self._path(block_hash), block_hash)
+        if block is None:
+            self._path(block_hash).unlink(missing_ok=True)
         with self._lock:
             if block_hash not in self._loaded:  # forgotten meanwhile
                 return
@@ -309,8 +325,6 @@ class DiskTier:
                 self.stats.load_bytes += block[1].nbytes
                 self.stats.load_seconds += time.perf_counter() - start
             self._lock.notify_all()
-        if block is None:
-            self._path(block_hash).unlink(missing_ok=True)
 
     def _read_file(self, path: Path, block_hash: int) -> Block | None:
         try:

@@ -48,7 +48,6 @@ def test_blocks_round_trip_bit_exact(tmp_path, dtype):
     blocks = {h: (_kv(h, dtype), [h, h + 1, h + 2, h + 3]) for h in (1, 2, 3)}
     for h, (kv, tokens) in blocks.items():
         tier.store(h, tokens, kv)
-    assert torch.equal(tier.take(1, blocks[1][1]), blocks[1][0])  # served while pending
     assert tier.flush()
     assert tier.stats.stores == 3 and len(list(tier.folder.glob("*.kvb"))) == 3
     for h, (kv, tokens) in blocks.items():

@@ -1,0 +1,161 @@
+"""The disk KV tier on a multi-turn chat workload whose working set is several times the KV
+pool: every session has its own long system prompt and comes back for several turns, round
+robin, so by its next turn its blocks have left the pool. Three engines side by side in one
+run on the same requests: no tier (the small pool alone), the disk tier (`--kv-offload-dir`,
+same small pool), and a pool large enough for everything. For each: prefix hit rate and
+TTFT p50/p90 (arrival to first token; one request at a time, as a session's turn follows its
+last), and the tier's store and load GB/s beside the disk's own write and read rate measured
+in the same folder in the same run. Prints one JSON object.
+
+    .venv/bin/python benchmarks/kv_offload.py [--sessions 12] [--turns 3] [--system-tokens 448]
+        [--pool-fraction 0.25] [--dir /tmp/pdserve-kv-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from machine import cpu_name
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+
+
+def workload(sessions: int, turns: int, system_tokens: int, vocab: int) -> list[list[int]]:
+    """Prompts in arrival order: turn t of every session, then turn t+1 of every session;
+    a turn's prompt is the session's system prompt and all its earlier user turns."""
+    rng = random.Random(0)
+    systems = [[rng.randrange(100, vocab) for _ in range(system_tokens)] for _ in range(sessions)]
+    asks = [[[rng.randrange(100, vocab) for _ in range(24)] for _ in range(turns)] for _ in systems]
+    return [
+        systems[s] + [t for ask in asks[s][: turn + 1] for t in ask]
+        for turn in range(turns)
+        for s in range(sessions)
+    ]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    ttfts, outputs = [], []
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+        start = time.perf_counter()
+        first = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None:
+                    first = time.perf_counter() - start
+                if out.finished:
+                    outputs.append(out.token_ids)
+        ttfts.append(first)
+    stats = engine.scheduler.stats
+    ttfts.sort()
+    return {
+        "prefix_hit_rate": round(stats.prefix_cache_hits / stats.prefix_cache_queries, 4),
+        "ttft_p50_s": round(statistics.median(ttfts), 4),
+        "ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 4),
+        "outputs": outputs,
+    }
+
+
+def disk_rates(folder: Path, nbytes: int = 256 * 2**20) -> dict[str, float]:
+    """Write (with fsync) and read back one file of `nbytes` in 1 MiB pieces. The read is
+    from the page cache when the file fits in memory, as the tier's reads of fresh blocks
+    usually are too."""
+    path = folder / "disk-rate.bin"
+    chunk = os.urandom(2**20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(chunk)):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(2**20):
+            pass
+    read = nbytes / (time.perf_counter() - start) / 1e9
+    path.unlink()
+    return {"write_gb_s": round(write, 3), "read_gb_s": round(read, 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=448)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.25,
+        help="the small pool's size over the working set (default: %(default)s)",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dir", default=None, help="the tier's folder (default: a temporary one)")
+    args = p.parse_args()
+
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="pdserve-kv-bench-"))
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    base = dict(threads=args.threads, max_num_seqs=1)
+    probe = LLMEngine(EngineConfig(**base, kv_cache_tokens=256))
+    vocab, block = probe.runner.hf_config.vocab_size, probe.config.block_size
+    del probe
+    prompts = workload(args.sessions, args.turns, args.system_tokens, vocab)
+    working_set = args.sessions * (args.system_tokens + 24 * args.turns + args.max_tokens)
+    small = max(block * 2, int(working_set * args.pool_fraction) // block * block)
+    configs = {
+        "no_tier": dict(kv_cache_tokens=small),
+        "disk_tier": dict(kv_cache_tokens=small, kv_offload_dir=str(folder / "tier")),
+        "unbounded_pool": dict(kv_cache_tokens=working_set * 2),
+    }
+    results: dict[str, Any] = {}
+    for name, extra in configs.items():
+        engine = LLMEngine(EngineConfig(**base, **extra))
+        results[name] = run(engine, prompts, args.max_tokens)
+        tier = engine.kv_cache.tier
+        if tier is not None:
+            tier.flush()
+            s = tier.stats
+            results[name]["tier"] = {
+                "stores": s.stores,
+                "loads": s.loads,
+                "hit_blocks": s.hits,
+                "dropped": s.dropped,
+                "store_gb_s": round(s.store_bytes / max(s.store_seconds, 1e-9) / 1e9, 3),
+                "load_gb_s": round(s.load_bytes / max(s.load_seconds, 1e-9) / 1e9, 3),
+            }
+        engine.close()
+    outputs = {name: r.pop("outputs") for name, r in results.items()}
+    same = all(o == outputs["unbounded_pool"] for o in outputs.values())
+    tiered, none, full = results["disk_tier"], results["no_tier"], results["unbounded_pool"]
+    print(json.dumps({
+        "cpu": cpu_name(),
+        "workload": {"sessions": args.sessions, "turns": args.turns,
+                     "system_tokens": args.system_tokens, "requests": len(prompts),
+                     "working_set_tokens": working_set, "small_pool_tokens": small},
+        "disk": disk_rates(folder),
+        "results": results,
+        "greedy_ids_equal": same,
+        "disk_tier_hit_rate_vs_unbounded": round(
+            tiered["prefix_hit_rate"] / max(full["prefix_hit_rate"], 1e-9), 3),
+        "ttft_p50_no_tier_over_disk_tier": round(
+            none["ttft_p50_s"] / max(tiered["ttft_p50_s"], 1e-9), 2),
+    }, indent=1))  # fmt: skip
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
