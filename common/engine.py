@@ -229,12 +229,16 @@ class LLMEngine:
             raise InvalidRequestError(
                 "first_token_id", "the first token already ends this request; nothing to decode"
             )
+        self.kv_cache.prefetch(request)  # the tier's copy of its prefix, read while it queues
         return request
 
     def reserve_prefilled(self, request: Request) -> int | None:
         """Allocate blocks for the prompt and the first token, reusing this worker's cached
         prefix. Returns how many leading blocks came from the cache (the rest must be
-        filled by a pull), or None when the blocks do not fit now."""
+        filled by a pull), or None when the blocks do not fit now (or its blocks in the tier
+        below the pool are still being read: an idle engine waits for them)."""
+        if not self.kv_cache.load_from_tier(request, wait=not self.scheduler.running):
+            return None
         cached = self.kv_cache.find_cached_prefix(request)
         num_cached = len(cached) * self.kv_cache.block_size
         if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):

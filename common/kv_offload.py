@@ -4,10 +4,11 @@ read back into pool blocks before it is scheduled.
 
 A block is one file, `<hash as 16 hex digits>.kvb`, under a folder named by a digest of the
 worker's KV layout fingerprint (so a tier only ever serves blocks of its own layout): a
-header (magic, the chained block hash, the block's token ids, the payload's CRC-32) and
-then the block's raw KV bytes. Files are written to a temporary name and renamed, so a
-crash leaves either a whole block or none; a block whose checksum, size or tokens do not
-match is a miss (and deleted), never wrong KV. The index (hash → bytes, least recently used
+header (magic, the chained block hash, the payload's XXH3-64 checksum, the block's token
+ids) and then the block's raw KV bytes, read straight into the tensor that holds them.
+Files are written to a temporary name and renamed, so a crash leaves either a whole block or
+none; a block whose checksum, size or tokens do not match is a miss (and deleted), never
+wrong KV. The index (hash → bytes, least recently used
 first) is rebuilt from the folder at start, oldest file first.
 
 All disk work runs on one I/O thread, reads before writes. The engine thread only copies a
@@ -25,7 +26,6 @@ import struct
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,9 +37,9 @@ Block = tuple[tuple[int, ...], torch.Tensor]  # token ids, KV
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PDKVB1\0\0"
-# magic, block hash, payload CRC-32, payload bytes, token count; then the token ids (u32).
-HEADER = struct.Struct("<8sQIQI")
+MAGIC = b"PDKVB2\0\0"
+# magic, block hash, payload XXH3-64, payload bytes, token count; then the token ids (u32).
+HEADER = struct.Struct("<8sQQQI")
 SUFFIX = ".kvb"
 LOADING = object()  # `take`: the block is being read; ask again later
 
@@ -69,6 +69,12 @@ _open_tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()
 def _close_open_tiers() -> None:
     for tier in list(_open_tiers):
         tier.close()
+
+
+def checksum(payload: object) -> int:
+    import xxhash  # only a worker with a tier needs it
+
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def layout_folder(root: Path, fingerprint: str) -> Path:
@@ -274,7 +280,7 @@ class DiskTier:
             tokens, kv = self._pending[block_hash]
         start = time.perf_counter()
         payload = kv.view(torch.uint8).numpy().reshape(-1)
-        header = HEADER.pack(MAGIC, block_hash, zlib.crc32(payload), payload.nbytes, len(tokens))
+        header = HEADER.pack(MAGIC, block_hash, checksum(payload), payload.nbytes, len(tokens))
         ids = struct.pack(f"<{len(tokens)}I", *tokens)
         size = len(header) + len(ids) + payload.nbytes
         self._make_room(size)
@@ -327,31 +333,29 @@ class DiskTier:
             self._lock.notify_all()
 
     def _read_file(self, path: Path, block_hash: int) -> Block | None:
+        """A whole, well-formed block file of `block_hash` (its payload read straight into a
+        fresh tensor), else None."""
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(HEADER.size)
+                if len(head) < HEADER.size:
+                    return None
+                magic, h, digest, nbytes, ntokens = HEADER.unpack(head)
+                ids = f.read(4 * ntokens)
+                if (magic, h, nbytes) != (MAGIC, block_hash, self.block_bytes) or (
+                    size != HEADER.size + 4 * ntokens + nbytes or len(ids) != 4 * ntokens
+                ):
+                    return None
+                kv = torch.empty(nbytes, dtype=torch.uint8)
+                if f.readinto(memoryview(kv.numpy())) != nbytes:
+                    return None
         except OSError:
             return None
-        parsed = self._parse_header(data, block_hash)
-        if parsed is None:
+        if checksum(kv.numpy()) != digest:
             return None
-        block, crc = parsed
-        if zlib.crc32(block[1].view(torch.uint8).numpy()) != crc:
-            return None
-        return block
-
-    def _parse_header(self, data: bytes, block_hash: int) -> tuple[Block, int] | None:
-        """((token ids, payload), CRC) of a well-formed file of `block_hash`, else None."""
-        if len(data) < HEADER.size:
-            return None
-        magic, h, crc, nbytes, ntokens = HEADER.unpack_from(data)
-        offset = HEADER.size + 4 * ntokens
-        if magic != MAGIC or h != block_hash or nbytes != self.block_bytes:
-            return None
-        if len(data) != offset + nbytes:
-            return None
-        tokens = struct.unpack_from(f"<{ntokens}I", data, HEADER.size)
-        kv = torch.frombuffer(bytearray(memoryview(data)[offset:]), dtype=torch.uint8)
-        return (tokens, kv.view(self.dtype).view(self.block_shape)), crc
+        tokens = struct.unpack(f"<{ntokens}I", ids)
+        return tokens, kv.view(self.dtype).view(self.block_shape)
 
     def _recover(self) -> None:
         """Rebuild the index from the folder: files whose header and size check out, oldest

@@ -68,3 +68,32 @@ def test_disk_tier_serves_repeats_with_the_same_tokens(tmp_path):
         assert _run(again, ROUNDS[:1]) == expected[: len(HISTORIES)]
         assert _settled(again, "pdserve_kv_offload_hits_total", 1) > 0
         assert again.free_blocks() == again.metric("pdserve_kv_cache_num_blocks")
+
+
+def test_decode_worker_pulls_only_what_its_tier_lacks(tmp_path):
+    """Prefill with a pool for everything; decode with a small pool and a disk tier. On the
+    second round each conversation's history is in the decode worker's tier, so it pulls
+    only the new tail, and the tokens equal the first round's path through a big pool."""
+    with running("colocated", *ARGS, "--kv-cache-tokens", "4096") as unbounded:
+        expected = _run(unbounded)
+    with (
+        running("prefill", *ARGS, "--kv-cache-tokens", "4096") as prefill,
+        running(
+            "decode", *ARGS, "--kv-cache-tokens", "256", "--kv-offload-dir", str(tmp_path)
+        ) as decode,
+        running(
+            "coordinator", f"--prefill-workers={prefill.grpc}", f"--decode-workers={decode.grpc}"
+        ) as coordinator,
+    ):
+        pulled = []
+        got = []
+        for prompts in ROUNDS:
+            before = decode.metric("pdserve_kv_transfer_blocks_total", direction="receive")
+            got += [_generate(coordinator.grpc, prompt) for prompt in prompts]
+            after = _settled(decode, "pdserve_kv_transfer_blocks_total", before)
+            pulled.append(after - before)
+        assert got == expected
+        assert decode.metric("pdserve_kv_offload_hits_total") > 0
+        # Round 1 pulls every conversation's 7 blocks; round 2 at most the new last block.
+        assert pulled[0] == len(HISTORIES) * 7 and pulled[1] <= len(HISTORIES), pulled
+        assert decode.free_blocks() == decode.metric("pdserve_kv_cache_num_blocks")
