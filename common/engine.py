@@ -74,6 +74,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._ids = itertools.count()
         self.last_batch_size = 0  # requests in the last step (0: nothing could be scheduled)
+        self.prefill_seconds_per_token: float | None = None  # measured, see _time_prefill
 
     def _disk_tier(self, config: EngineConfig) -> DiskTier:
         assert config.kv_offload_dir is not None
@@ -281,7 +282,9 @@ class LLMEngine:
         self.last_batch_size = len(batch.requests)
         if not batch.requests:
             return []
+        start = time.perf_counter()
         sampled = self.runner.execute(batch)
+        self._time_prefill(batch.num_tokens - batch.num_decodes, time.perf_counter() - start)
         self.scheduler.on_step_computed(batch)
         outputs = []
         now = time.monotonic()
@@ -294,6 +297,26 @@ class LLMEngine:
                 request.first_token_time = now
             outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
         return outputs
+
+    def _time_prefill(self, prefill_tokens: int, seconds: float) -> None:
+        """A running mean of a prompt token's compute time, from steps that are mostly
+        prefill (what a block read back from the tier saves)."""
+        if prefill_tokens >= 4 * self.config.block_size:
+            per_token = seconds / prefill_tokens
+            old = self.prefill_seconds_per_token
+            self.prefill_seconds_per_token = (
+                per_token if old is None else 0.8 * old + 0.2 * per_token
+            )
+
+    def offload_cost(self) -> float:
+        """Reading a block back from the tier over computing it, both measured here (0 while
+        either is unknown)."""
+        tier = self.kv_cache.tier
+        load = tier.seconds_per_load() if tier is not None else None
+        compute = self.prefill_seconds_per_token
+        if load is None or not compute:
+            return 0.0
+        return min(1.0, load / (compute * self.config.block_size))
 
     def _process_token(
         self,

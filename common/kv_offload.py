@@ -108,6 +108,9 @@ class DiskTier:
         self._writes: deque[int] = deque()
         self._stopped = False
         self.used_bytes = 0
+        # (held?, hash) changes since the last drain, while recording: what a worker streams
+        # to the coordinator's prefix-aware router, as for the pool.
+        self._events: list[tuple[bool, int]] | None = None
         self._recover()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-offload", daemon=True)
         self._thread.start()
@@ -130,7 +133,31 @@ class DiskTier:
             copy.copy_(kv)
             self._pending[block_hash] = (tuple(token_ids), copy)
             self._writes.append(block_hash)
+            self._event(True, block_hash)
             self._lock.notify()
+
+    def record_events(self) -> None:
+        """From now on, log every hash this tier starts or stops holding."""
+        with self._lock:
+            if self._events is None:
+                self._events = []
+
+    def drain_events(self) -> list[tuple[bool, int]]:
+        """The (held?, hash) changes since the last drain, oldest first."""
+        with self._lock:
+            if not self._events:
+                return []
+            events, self._events = self._events, []
+            return events
+
+    def held_hashes(self) -> list[int]:
+        """Every hash this tier holds (on disk or being written)."""
+        with self._lock:
+            return [*self._index, *(h for h in self._pending if h not in self._index)]
+
+    def _event(self, held: bool, block_hash: int) -> None:
+        if self._events is not None:  # under the lock
+            self._events.append((held, block_hash))
 
     def lookup(self, hashes: Sequence[int]) -> tuple[int, bool]:
         """How many of `hashes`, from the first, this tier holds, and whether all of those
@@ -220,6 +247,11 @@ class DiskTier:
             for h in [h for h, v in self._loaded.items() if v is not None]:
                 del self._loaded[h]
 
+    def seconds_per_load(self) -> float | None:
+        """Measured seconds to read one block back (None before the first read)."""
+        s = self.stats
+        return s.load_seconds / s.loads if s.loads else None
+
     def num_blocks(self) -> int:
         with self._lock:
             return len(self._index) + len(self._pending)
@@ -268,8 +300,8 @@ class DiskTier:
                 with self._lock:
                     if job == "read":
                         self._loaded.pop(h, None)
-                    else:
-                        self._pending.pop(h, None)
+                    elif self._pending.pop(h, None) is not None and h not in self._index:
+                        self._event(False, h)
                     self._lock.notify_all()
 
     def _path(self, block_hash: int) -> Path:
@@ -308,6 +340,7 @@ class DiskTier:
                 victim, victim_size = self._index.popitem(last=False)
                 self.used_bytes -= victim_size
                 self.stats.evictions += 1
+                self._event(False, victim)
             self._path(victim).unlink(missing_ok=True)
 
     def _read(self, block_hash: int) -> None:
@@ -323,6 +356,7 @@ class DiskTier:
                 size = self._index.pop(block_hash, None)
                 if size is not None:
                     self.used_bytes -= size
+                    self._event(False, block_hash)
                 self.stats.corrupt += 1
             else:
                 self._loaded[block_hash] = block

@@ -26,6 +26,8 @@ MIN_INTERVAL_S = 0.05
 WATCHER_QUEUE = 32
 MAX_WATCHERS = 64
 IDLE_DRAIN_S = 1.0  # with no watcher, the event log is still emptied this often
+# A cache's (stored?, hash) changes since the last report, and its whole index when asked.
+Changes = tuple[list[tuple[bool, int]], list[int] | None]
 
 
 class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
@@ -34,6 +36,8 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         engine = worker.loop.engine
         self.pool = engine.kv_cache.pool
         self.pool.record_events()
+        if engine.kv_cache.tier is not None:
+            engine.kv_cache.tier.record_events()
         self.block_size = engine.kv_cache.block_size
         self._watchers: dict[int, asyncio.Queue[worker_pb2.WatchResponse | None]] = {}
         self._fresh: set[int] = set()  # watchers whose first report (the index) is due
@@ -93,11 +97,14 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             self._wake.clear()
             fresh = set(self._fresh)
             self._fresh.clear()
-            events, index, load = await loop.call(lambda f=bool(fresh): self._collect(f))
+            collected = await loop.call(lambda f=bool(fresh): self._collect(f))
+            (events, index), (tier_events, tier_index), load = collected
             if not self._watchers:
                 continue
             stored = [h for added, h in events if added]
             evicted = [h for added, h in events if not added]
+            tier_stored = [h for added, h in tier_events if added]
+            tier_evicted = [h for added, h in tier_events if not added]
             for key, queue in self._watchers.items():
                 report = worker_pb2.WatchResponse(
                     worker_id=self.worker.worker_id,
@@ -112,9 +119,12 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 if key in fresh:
                     report.reset = True
                     report.stored.extend(index or ())
+                    report.offload_stored.extend(tier_index or ())
                 else:
                     report.stored.extend(stored)
                     report.evicted.extend(evicted)
+                    report.offload_stored.extend(tier_stored)
+                    report.offload_evicted.extend(tier_evicted)
                 if queue.full():  # a watcher not reading: drop its backlog, resync it
                     while not queue.empty():
                         queue.get_nowait()
@@ -124,17 +134,22 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 else:
                     queue.put_nowait(report)
 
-    def _collect(self, with_index: bool) -> tuple[list[tuple[bool, int]], list[int] | None, dict]:
-        """On the engine thread: the cache's changes, its whole index if asked, the load."""
+    def _collect(self, with_index: bool) -> tuple[Changes, Changes, dict]:
+        """On the engine thread: the pool's and the tier's changes (and whole indexes if
+        asked), the load."""
         engine = self.worker.loop.engine
         load = {
             "num_running": len(engine.scheduler.running),
             "num_waiting": len(engine.scheduler.waiting) + self.worker.metrics.extra_waiting,
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
+            "offload_cost": engine.offload_cost(),
         }
-        events = self.pool.drain_events()
-        return events, list(self.pool.cached) if with_index else None, load
+        pool = self.pool.drain_events(), list(self.pool.cached) if with_index else None
+        tier = engine.kv_cache.tier
+        if tier is None:
+            return pool, ([], None), load
+        return pool, (tier.drain_events(), tier.held_hashes() if with_index else None), load
 
 
 def _end(queue: asyncio.Queue[worker_pb2.WatchResponse | None]) -> None:

@@ -66,7 +66,8 @@ class WorkerPool:
         self.role = role
         self.make_stub = make_stub
         self.index = PrefixIndex()
-        self.router = Router(role, policy, weights, self.index)
+        self.offload_index = PrefixIndex()  # what the tiers below the workers' pools hold
+        self.router = Router(role, policy, weights, self.index, self.offload_index)
         self.kv_events = kv_events
         self.wait_for_worker_s = wait_for_worker_s
         self.block_size = 0  # from the first report; 0: prompts are not hashed yet
@@ -111,6 +112,7 @@ class WorkerPool:
     def _retire(self, worker: WorkerEndpoint) -> None:
         self._set_healthy(worker, False)
         self.index.remove_worker(worker.address)
+        self.offload_index.remove_worker(worker.address)
         self.router.forget(worker.address)
         with contextlib.suppress(KeyError):
             LOCAL_PREFILLS.remove(self.role, worker.address)
@@ -252,6 +254,7 @@ class WorkerPool:
             self._set_healthy(worker, False)
             if self.kv_events:
                 self.index.remove_worker(worker.address)
+                self.offload_index.remove_worker(worker.address)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_S[1])
 
@@ -273,7 +276,12 @@ class WorkerPool:
         if regrouped and worker.group:
             self._check_group(worker.group)
         self.block_size = self.block_size or report.block_size
+        worker.offload_cost = report.offload_cost
         if self.kv_events and (report.reset or report.stored or report.evicted):
             self.index.apply(worker.address, report.stored, report.evicted, report.reset)
+        if self.kv_events and (report.reset or report.offload_stored or report.offload_evicted):
+            self.offload_index.apply(
+                worker.address, report.offload_stored, report.offload_evicted, report.reset
+            )
         if worker.routable != was:
             self._changed.set()

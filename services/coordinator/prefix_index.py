@@ -89,3 +89,28 @@ class PrefixIndex:
         for worker in active:
             out[worker] = len(hashes)
         return out
+
+    def has_any(self) -> bool:
+        return bool(self._holders)
+
+    def overlaps_with(self, other: PrefixIndex, hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """As `overlaps`, a block counting as held where either index holds it (a worker's
+        pool and the tier below it)."""
+        if not hashes:
+            return {}
+
+        def holders(h: int) -> set[WorkerKey]:
+            return set(self._holders.get(h, ())) | other._holders.get(h, set())
+
+        active = holders(hashes[0])
+        out: dict[WorkerKey, int] = {}
+        for i, h in enumerate(hashes[1:], start=1):
+            if not active:
+                break
+            held = holders(h)
+            for worker in active - held:
+                out[worker] = i
+            active &= held
+        for worker in active:
+            out[worker] = len(hashes)
+        return out

@@ -5,8 +5,11 @@ coordinator and in `benchmarks/route_sim.py`. Policies:
 - `prefix_aware` (the default): a prefill worker's cost is the prompt blocks it would have
   to compute (those its prefix cache does not hold, from `PrefixIndex`) times
   `prefix_weight`, plus its queue (requests running or waiting there) times `load_weight`;
-  the cheapest wins, ties going round-robin. A decode worker is picked by load alone: fewest
-  sequences running or waiting, among those with room for the request's blocks.
+  the cheapest wins, ties going round-robin. A block in the worker's tier below the pool
+  (`--kv-offload-dir`) costs the fraction of a computed block the worker measured for
+  reading one back (`offload_cost`; `DEFAULT_OFFLOAD_COST` until it has read one). A decode
+  worker is picked by load alone: fewest sequences running or waiting, among those with
+  room for the request's blocks.
 - `least_loaded`: the fewest requests in flight or queued, round-robin among ties.
 - `round_robin`.
 
@@ -38,6 +41,8 @@ DECISIONS = Counter(
 
 
 _QUEUE = attrgetter("queue")
+# A tier block's cost, as a fraction of computing it, before its worker has measured one.
+DEFAULT_OFFLOAD_COST = 0.5
 
 
 class NoWorkerError(RuntimeError):
@@ -57,6 +62,7 @@ class WorkerState:
     num_waiting: int = 0  # reported
     free_blocks: int = 0  # reported (0 while unknown)
     total_blocks: int = 0
+    offload_cost: float = 0.0  # reported: a tier block's read over its compute (0: unknown)
     # Expert parallelism: the ranks of one group are endpoints of their own, but routable
     # only while every rank of the group is (`group_whole`, kept by the pool).
     group: str = ""
@@ -98,6 +104,7 @@ class Router:
         policy: str = DEFAULT_POLICY,
         weights: RouterWeights | None = None,
         index: PrefixIndex | None = None,
+        offload_index: PrefixIndex | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -105,6 +112,7 @@ class Router:
         self.policy = policy
         self.weights = weights or RouterWeights()
         self.index = index
+        self.offload_index = offload_index  # the tiers below the workers' pools
         self._turn = itertools.count()
 
     def pick(
@@ -159,16 +167,23 @@ class Router:
         (one C-level scan); only the few that cache some of it are costed one by one."""
         w_prefix, w_load = self.weights.prefix_weight, self.weights.load_weight
         best = min(order, key=_QUEUE)
-        overlaps = self.index.overlaps(hashes) if self.index is not None and hashes else {}
-        if not overlaps:
+        if self.index is None or not hashes:
+            return best
+        in_pool = self.index.overlaps(hashes)
+        tiers = self.offload_index
+        reach = tiers.overlaps_with(self.index, hashes) if tiers and tiers.has_any() else in_pool
+        if not reach:
             return best
         best_cost = w_prefix * len(hashes) + w_load * best.queue
         by_address = {w.address: w for w in order}
-        for address, overlap in overlaps.items():
+        for address, overlap in reach.items():
             worker = by_address.get(address)
             if worker is None:
                 continue
-            cost = w_prefix * (len(hashes) - overlap) + w_load * worker.queue
+            pooled = in_pool.get(address, 0)
+            tier_cost = worker.offload_cost or DEFAULT_OFFLOAD_COST
+            blocks = len(hashes) - overlap + tier_cost * (overlap - pooled)
+            cost = w_prefix * blocks + w_load * worker.queue
             if cost < best_cost:
                 best, best_cost = worker, cost
         return best

@@ -97,3 +97,40 @@ def test_decode_worker_pulls_only_what_its_tier_lacks(tmp_path):
         # Round 1 pulls every conversation's 7 blocks; round 2 at most the new last block.
         assert pulled[0] == len(HISTORIES) * 7 and pulled[1] <= len(HISTORIES), pulled
         assert decode.free_blocks() == decode.metric("pdserve_kv_cache_num_blocks")
+
+
+def test_router_sends_a_conversation_to_the_tier_that_holds_it(tmp_path):
+    """Two prefill workers whose pools hold one conversation each, both with a disk tier:
+    by the second round half the histories are only in a tier. The workers report what
+    their tiers hold, so every second-round turn goes to the worker holding its history
+    (in its pool or its tier) and finds all of it cached."""
+    small = [*ARGS, "--kv-cache-tokens", "112"]  # 7 blocks: one conversation exactly
+    with (
+        running("prefill", *small, "--kv-offload-dir", str(tmp_path / "p0")) as p0,
+        running("prefill", *small, "--kv-offload-dir", str(tmp_path / "p1")) as p1,
+        running("decode", *ARGS, "--kv-cache-tokens", "4096") as decode,
+        running(
+            "coordinator",
+            f"--prefill-workers={p0.grpc},{p1.grpc}",
+            f"--decode-workers={decode.grpc}",
+        ) as coordinator,
+    ):
+        cached = []
+        # Round-robin ties put round 1 on p0, p1, p0, p1; round 2 comes in another order, so
+        # a router blind to the tiers would send some turns to the wrong worker.
+        second = [ROUNDS[1][i] for i in (1, 0, 3, 2)]
+        for r, prompts in enumerate([ROUNDS[0], second]):
+            if r:
+                time.sleep(1.0)  # the workers' status reports (every 0.1 s) reach it
+            for prompt in prompts:
+                with grpc.insecure_channel(coordinator.grpc) as channel:
+                    stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                    request = generate_pb2.GenerateRequest(
+                        token_ids=prompt,
+                        sampling=generate_pb2.SamplingParams(max_tokens=2, temperature=0),
+                    )
+                    cached.append(list(stub.Generate(request, timeout=120))[-1].usage.cached_tokens)
+        hits = sum(p.metric("pdserve_kv_offload_hits_total") for p in (p0, p1))
+        assert cached[: len(HISTORIES)] == [0] * len(HISTORIES)
+        assert cached[len(HISTORIES) :] == [len(HISTORIES[0])] * len(HISTORIES), cached
+        assert hits > 0  # some of them came back from a tier

@@ -177,3 +177,15 @@ def test_manager_spills_evicted_blocks_and_reads_them_back(tmp_path):
     assert _prefill(kv, cache, _request("b2", b)) == 20
     assert kv.num_free_blocks == 6
     kv.tier.close()
+
+
+def test_tier_reports_what_it_starts_and_stops_holding(tmp_path):
+    tier = _tier(tmp_path, blocks=2)
+    tier.record_events()
+    for h in (1, 2, 3):
+        tier.store(h, [h] * 4, _kv(h))
+        assert tier.flush()
+    assert tier.drain_events() == [(True, 1), (True, 2), (True, 3), (False, 1)]
+    assert tier.drain_events() == []
+    assert sorted(tier.held_hashes()) == [2, 3]
+    tier.close()

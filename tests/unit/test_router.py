@@ -150,3 +150,24 @@ def test_an_expert_parallel_group_is_routable_only_while_whole() -> None:
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_tier_blocks_cost_what_their_worker_measured() -> None:
+    """A block in a worker's tier below its pool costs between a hit and a miss: the
+    worker's measured fraction of a computed block (a default until it has one)."""
+    pool, tiers = PrefixIndex(), PrefixIndex()
+    a, b, c = WorkerState("a"), WorkerState("b"), WorkerState("c")
+    pool.apply("a", [1, 2])  # a: 2 blocks in its pool, then 4 in its tier
+    tiers.apply("a", [3, 4, 5, 6])
+    pool.apply("b", [1, 2, 3, 4])  # b: 4 blocks in its pool
+    assert tiers.overlaps_with(pool, [1, 2, 3, 4, 5, 6, 7]) == {"a": 6, "b": 4}
+    router = Router("prefill", "prefix_aware", RouterWeights(1.0, 8.0), pool, tiers)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    a.offload_cost = 0.1  # a: 2 to compute + 4 x 0.1 = 2.4; b: 4; c: 8
+    assert router.pick([a, b, c], prompt) is a
+    a.offload_cost = 0.9  # a: 2 + 3.6 = 5.6 > b's 4
+    assert router.pick([a, b, c], prompt) is b
+    a.offload_cost = 0.0  # unmeasured: the default, 0.5: 2 + 2 = 4, a tie with b
+    assert router.pick([a, c], prompt) is a
+    tiers.remove_worker("a")
+    assert router.pick([a, b, c], prompt) is b

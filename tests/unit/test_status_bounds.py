@@ -34,8 +34,9 @@ class Loop:
 
 def fake_worker() -> SimpleNamespace:
     engine = SimpleNamespace(
-        kv_cache=SimpleNamespace(pool=Pool(), block_size=16),
+        kv_cache=SimpleNamespace(pool=Pool(), block_size=16, tier=None),
         scheduler=SimpleNamespace(running=[], waiting=[]),
+        offload_cost=lambda: 0.0,
     )
     loop = Loop()
     loop.engine = engine  # type: ignore[attr-defined]
