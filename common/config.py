@@ -57,6 +57,10 @@ class EngineConfig:
     # back on a hit (None: evicted blocks are dropped). At most kv_offload_gb GiB.
     kv_offload_dir: str | None = None
     kv_offload_gb: float = 4.0
+    # A tier shared with other workers of the same layout (e.g. a ReadWriteMany volume):
+    # every cached block is written through to it, and any worker can read it back.
+    kv_shared_dir: str | None = None
+    kv_shared_gb: float = 16.0
     # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts).
     count_expert_tokens: bool = False
     # MoE models: split the experts over this many rank processes.
@@ -118,11 +122,14 @@ class EngineConfig:
             raise ValueError(f"eplb_interval: must be at least 1, got {self.eplb_interval}")
         if self.kv_offload_gb <= 0:
             raise ValueError(f"kv_offload_gb: must be > 0, got {self.kv_offload_gb}")
-        if self.kv_offload_dir and not self.enable_prefix_caching:
-            raise ValueError(
-                "kv_offload_dir: the tier holds prefix-cache blocks; it needs prefix caching "
-                "(drop --no-prefix-caching)"
-            )
+        if self.kv_shared_gb <= 0:
+            raise ValueError(f"kv_shared_gb: must be > 0, got {self.kv_shared_gb}")
+        for name in ("kv_offload_dir", "kv_shared_dir"):
+            if getattr(self, name) and not self.enable_prefix_caching:
+                raise ValueError(
+                    f"{name}: the tier holds prefix-cache blocks; it needs prefix caching "
+                    "(drop --no-prefix-caching)"
+                )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         return self

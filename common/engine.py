@@ -67,7 +67,13 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         if config.kv_offload_dir:
-            self.kv_cache.attach_tier(self._disk_tier(config), self.runner.kv_cache)
+            tier = self._disk_tier("kv_offload_dir", config.kv_offload_dir, config.kv_offload_gb)
+            self.kv_cache.attach_tier(tier, self.runner.kv_cache)
+        if config.kv_shared_dir:
+            shared = self._disk_tier(
+                "kv_shared_dir", config.kv_shared_dir, config.kv_shared_gb, shared=True
+            )
+            self.kv_cache.attach_shared_tier(shared, self.runner.kv_cache)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -76,26 +82,20 @@ class LLMEngine:
         self.last_batch_size = 0  # requests in the last step (0: nothing could be scheduled)
         self.prefill_seconds_per_token: float | None = None  # measured, see _time_prefill
 
-    def _disk_tier(self, config: EngineConfig) -> DiskTier:
-        assert config.kv_offload_dir is not None
+    def _disk_tier(self, name: str, folder: str, gb: float, shared: bool = False) -> DiskTier:
         kv = self.runner.kv_cache
         try:
             return DiskTier(
-                config.kv_offload_dir,
-                int(config.kv_offload_gb * 2**30),
-                self.runner.layout_fingerprint,
-                kv.shape[1:],
-                kv.dtype,
-            )
+                folder, int(gb * 2**30), self.runner.layout_fingerprint, kv.shape[1:], kv.dtype,
+                shared=shared,
+            )  # fmt: skip
         except OSError as e:
-            raise ValueError(
-                f"kv_offload_dir: cannot use {config.kv_offload_dir!r} for the KV tier: {e}"
-            ) from e
+            raise ValueError(f"{name}: cannot use {folder!r} for the KV tier: {e}") from e
 
     def close(self) -> None:
-        """Finish the tier's pending writes (so a restart finds them) and stop its thread."""
-        if self.kv_cache.tier is not None:
-            self.kv_cache.tier.close()
+        """Finish the tiers' pending writes (so a restart finds them) and stop their threads."""
+        for tier in self.kv_cache.tiers:
+            tier.close()
 
     def _eos_token_ids(self) -> frozenset[int]:
         """EOS ids from the model config, the generation config (where chat models list

@@ -33,9 +33,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.tier: DiskTier | None = None
+        self.tier: DiskTier | None = None  # this worker's own tier: evicted blocks go there
+        self.shared_tier: DiskTier | None = None  # shared by workers: every block goes there
         self._kv: torch.Tensor | None = None
-        self.tier_hit_tokens = 0  # prompt tokens read back from the tier into the pool
+        self.tier_hit_tokens = 0  # prompt tokens read back from the tiers into the pool
 
     def attach_tier(self, tier: DiskTier, kv_cache: torch.Tensor) -> None:
         """Spill evicted cached blocks of `kv_cache` (block-major) to `tier`, and read
@@ -46,10 +47,29 @@ class KVCacheManager:
         self._kv = kv_cache
         self.pool.on_evict = self._spill
 
+    def attach_shared_tier(self, tier: DiskTier, kv_cache: torch.Tensor) -> None:
+        """Write every block of `kv_cache` the prefix cache registers through to `tier`, a
+        folder other workers share, and read blocks back from it on a hit (after the own
+        tier): a conversation moved to another worker keeps its cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.shared_tier = tier
+        self._kv = kv_cache
+        self.pool.on_cached = self._write_through
+
+    @property
+    def tiers(self) -> list[DiskTier]:
+        return [t for t in (self.tier, self.shared_tier) if t is not None]
+
     def _spill(self, block: KVCacheBlock) -> None:
         assert self.tier is not None and self._kv is not None
         assert block.block_hash is not None and block.token_ids is not None
         self.tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
+
+    def _write_through(self, block: KVCacheBlock) -> None:
+        assert self.shared_tier is not None and self._kv is not None
+        assert block.block_hash is not None and block.token_ids is not None
+        self.shared_tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
 
     def _tier_candidates(self, request: Request) -> tuple[int, list[int]]:
         """(pool hits, the hashes after them up to the last full prompt block)."""
@@ -59,49 +79,54 @@ class KVCacheManager:
         return start, request.block_hashes[start:max_blocks]
 
     def prefetch(self, request: Request) -> None:
-        """Start reading the tier's blocks of this request's prefix (on arrival, so the
+        """Start reading the tiers' blocks of this request's prefix (on arrival, so the
         reads overlap its wait in the queue)."""
-        if self.tier is not None:
-            self.tier.lookup(self._tier_candidates(request)[1])
+        for tier in self.tiers:
+            tier.lookup(self._tier_candidates(request)[1])
 
     def load_from_tier(self, request: Request, wait: bool = False) -> bool:
-        """Bring the tier's blocks of this request's prefix into the pool. False while some
-        are still being read (unless `wait`: then wait for them, bounded)."""
-        if self.tier is None:
-            return True
+        """Bring the tiers' blocks of this request's prefix into the pool (the own tier's
+        first, then the shared one's). False while some are still being read (unless
+        `wait`: then wait for them, bounded)."""
+        ready = True
+        for tier in self.tiers:
+            ready = self._load_from(tier, request, wait) and ready
+        return ready
+
+    def _load_from(self, tier: DiskTier, request: Request, wait: bool) -> bool:
         deadline = time.monotonic() + TIER_WAIT_S
         for _ in range(4):  # a block written to disk meanwhile is read, then looked up again
             start, hashes = self._tier_candidates(request)
-            held, ready = self.tier.lookup(hashes)
+            held, ready = tier.lookup(hashes)
             if held == 0:
                 return True
             if not ready:
                 if not wait or time.monotonic() >= deadline:
                     return False
-                self.tier.wait_ready(hashes[:held], deadline - time.monotonic())
+                tier.wait_ready(hashes[:held], deadline - time.monotonic())
                 continue
-            if self._promote_run(request, start, held) in (0, held):
+            if self._promote_run(tier, request, start, held) in (0, held):
                 return True
         return True  # still changing under us: go on with what the pool has
 
-    def _promote_run(self, request: Request, start: int, held: int) -> int:
+    def _promote_run(self, tier: DiskTier, request: Request, start: int, held: int) -> int:
         """Copy the tier's blocks `start ..` (`held` of them) into free pool blocks and
         register them; returns how many (fewer when the pool runs out or a block is no
         longer ready)."""
         hits = self.find_cached_prefix(request)
         self.pool.touch(hits)  # taking blocks below must not evict the pool's own hits
         try:
-            return self._promote(request, start, min(held, self.pool.num_free_blocks))
+            return self._promote(tier, request, start, min(held, self.pool.num_free_blocks))
         finally:
             self.pool.free_blocks(reversed(hits))
 
-    def _promote(self, request: Request, start: int, n: int) -> int:
-        assert self.tier is not None and self._kv is not None
+    def _promote(self, tier: DiskTier, request: Request, start: int, n: int) -> int:
+        assert self._kv is not None
         bs = self.block_size
         spans = [(request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
                  for i in range(start, start + n)]  # fmt: skip
         blocks: list[KVCacheBlock] = []
-        for (block_hash, tokens), kv in zip(spans, self.tier.take_ready(spans), strict=False):
+        for (block_hash, tokens), kv in zip(spans, tier.take_ready(spans), strict=False):
             block = self.pool.get_new_blocks(1)[0]
             self._kv[block.block_id].copy_(kv)
             self.pool.cache_block(block, block_hash, tokens)

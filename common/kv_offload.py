@@ -19,12 +19,14 @@ takes one that was read (`take`); neither ever waits for the disk. When more tha
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
 import struct
 import threading
 import time
+import uuid
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -42,6 +44,7 @@ MAGIC = b"PDKVB2\0\0"
 HEADER = struct.Struct("<8sQQQI")
 SUFFIX = ".kvb"
 LOADING = object()  # `take`: the block is being read; ask again later
+STALE_TMP_S = 600.0  # a shared folder's temporary file older than this is a dead write
 
 
 @dataclass
@@ -90,7 +93,11 @@ class DiskTier:
         block_shape: Sequence[int],
         dtype: torch.dtype,
         max_pending_bytes: int = 256 * 2**20,
+        shared: bool = False,
     ) -> None:
+        # A shared tier's folder is written by other workers too: a block missing from the
+        # index is looked for on disk, and a block gone from disk is a miss, not corruption.
+        self.shared = shared
         self.folder = layout_folder(Path(root), fingerprint)
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "LAYOUT").write_text(fingerprint + "\n")
@@ -123,7 +130,7 @@ class DiskTier:
         with self._lock:
             if block_hash in self._pending:
                 return
-            if block_hash in self._index:
+            if block_hash in self._index or self._discover(block_hash):
                 self._index.move_to_end(block_hash)
                 return
             if (len(self._pending) + 1) * self.block_bytes > self.max_pending_bytes:
@@ -169,7 +176,7 @@ class DiskTier:
                     pass
                 elif h in self._loaded:  # being read
                     ready = False
-                elif h in self._index:
+                elif h in self._index or self._discover(h):
                     self._loaded[h] = None
                     self._reads.append(h)
                     ready = False
@@ -234,12 +241,24 @@ class DiskTier:
                 return None
             self.stats.hits += 1
             return loaded[1]
-        if block_hash in self._index:
+        if block_hash in self._index or self._discover(block_hash):
             self._loaded[block_hash] = None
             self._reads.append(block_hash)
             self._lock.notify()
             return LOADING
         return None
+
+    def _discover(self, block_hash: int) -> bool:
+        """Shared tier: index a block another worker wrote (under the lock)."""
+        if not self.shared:
+            return False
+        try:
+            size = self._path(block_hash).stat().st_size
+        except OSError:
+            return False
+        self._index[block_hash] = size
+        self.used_bytes += size
+        return True
 
     def forget_loaded(self) -> None:
         """Drop blocks read for requests that never took them (they stay on disk)."""
@@ -316,7 +335,7 @@ class DiskTier:
         ids = struct.pack(f"<{len(tokens)}I", *tokens)
         size = len(header) + len(ids) + payload.nbytes
         self._make_room(size)
-        tmp = self.folder / f".{block_hash:016x}.{os.getpid()}.tmp"
+        tmp = self.folder / f".{block_hash:016x}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "wb") as f:
             f.write(header)
             f.write(ids)
@@ -345,9 +364,11 @@ class DiskTier:
 
     def _read(self, block_hash: int) -> None:
         start = time.perf_counter()
-        block = self._read_file(self._path(block_hash), block_hash)
-        if block is None:
-            self._path(block_hash).unlink(missing_ok=True)
+        path = self._path(block_hash)
+        block = self._read_file(path, block_hash)
+        vanished = block is None and not path.exists()  # another worker deleted it
+        if block is None and not vanished:
+            path.unlink(missing_ok=True)
         with self._lock:
             if block_hash not in self._loaded:  # forgotten meanwhile
                 return
@@ -357,7 +378,7 @@ class DiskTier:
                 if size is not None:
                     self.used_bytes -= size
                     self._event(False, block_hash)
-                self.stats.corrupt += 1
+                self.stats.corrupt += not vanished
             else:
                 self._loaded[block_hash] = block
                 self._index.move_to_end(block_hash)
@@ -398,7 +419,9 @@ class DiskTier:
         found = []
         for path in self.folder.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # another worker's write, unless stale
+                    if not self.shared or time.time() - path.stat().st_mtime > STALE_TMP_S:
+                        path.unlink(missing_ok=True)
                 continue
             if path.suffix != SUFFIX:
                 continue

@@ -118,6 +118,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="size of the --kv-offload-dir tier in GiB; least recently used blocks go first "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--kv-shared-dir",
+        metavar="DIR",
+        default=env("kv_shared_dir"),
+        help="a KV tier shared by workers of the same model (e.g. a ReadWriteMany volume): "
+        "every cached prefix block is written through to it and any worker reads it back, "
+        "so a conversation moved to another worker keeps its cache (default: off)",
+    )
+    g.add_argument(
+        "--kv-shared-gb",
+        type=float,
+        metavar="GB",
+        default=float(env("kv_shared_gb", "16")),
+        help="how much of --kv-shared-dir this worker fills before deleting the least "
+        "recently used blocks it knows of (default: %(default)s)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=env("no_prefix_caching", "0") not in ("0", "", "false"),
                    help="turn off automatic prefix caching")  # fmt: skip
@@ -153,6 +169,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_offload_dir=args.kv_offload_dir,
         kv_offload_gb=args.kv_offload_gb,
+        kv_shared_dir=args.kv_shared_dir,
+        kv_shared_gb=args.kv_shared_gb,
         expert_parallel=args.expert_parallel,
         redundant_experts=args.redundant_experts,
         eplb_interval=args.eplb_interval,
@@ -198,6 +216,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--max-model-len", args.max_model_len),
         ("--kv-offload-dir", args.kv_offload_dir),
         ("--kv-offload-gb", args.kv_offload_gb if args.kv_offload_dir else None),
+        ("--kv-shared-dir", args.kv_shared_dir),
+        ("--kv-shared-gb", args.kv_shared_gb if args.kv_shared_dir else None),
         ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),
         ("--redundant-experts", args.redundant_experts or None),
         ("--eplb-interval", args.eplb_interval if args.eplb_interval != 64 else None),

@@ -137,51 +137,54 @@ class MoeRoutingCollector(Collector):
 
 
 class KvOffloadCollector(Collector):
-    """The disk tier below the KV pool (`--kv-offload-dir`), read from its counts when
-    scraped: tokens served from it, blocks stored and evicted, bytes and seconds of its
-    reads and writes, its usage."""
+    """The KV tiers below the pool, labelled `tier`: `disk` (`--kv-offload-dir`, this
+    worker's own) and `shared` (`--kv-shared-dir`). Read from their counts when scraped:
+    tokens served from each, blocks stored and evicted, bytes and seconds of reads and
+    writes, usage."""
 
     def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
         self.kv = engine.kv_cache
+        self.block_size = engine.kv_cache.block_size
         self.labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        tier = self.kv.tier
-        if tier is None:
-            return
-        stats = tier.stats
-        names, values = list(self.labels), list(self.labels.values())
-        for name, text, value in [
-            ("pdserve_kv_offload_hits", "Prompt tokens read back from the disk tier into "
-             "the pool (also counted in pdserve_prefix_cache_hits_total)", self.kv.tier_hit_tokens),
-            ("pdserve_kv_offload_stores", "KV blocks written to the disk tier", stats.stores),
-            ("pdserve_kv_offload_store_bytes", "Bytes written to the disk tier", stats.store_bytes),
+        tiers = [(n, t) for n, t in (("disk", self.kv.tier), ("shared", self.kv.shared_tier)) if t]
+        names = [*self.labels, "tier"]
+        counters = [
+            ("pdserve_kv_offload_hits", "Prompt tokens read back from a tier into the pool "
+             "(also counted in pdserve_prefix_cache_hits_total)",
+             lambda t: t.stats.hits * self.block_size),
+            ("pdserve_kv_offload_stores", "KV blocks written to a tier", lambda t: t.stats.stores),
+            ("pdserve_kv_offload_store_bytes", "Bytes written to a tier",
+             lambda t: t.stats.store_bytes),
             ("pdserve_kv_offload_store_seconds", "Seconds spent writing blocks",
-             stats.store_seconds),
-            ("pdserve_kv_offload_loads", "KV blocks read from the disk tier", stats.loads),
-            ("pdserve_kv_offload_load_bytes", "Bytes read from the disk tier", stats.load_bytes),
-            ("pdserve_kv_offload_load_seconds", "Seconds spent reading blocks", stats.load_seconds),
-            ("pdserve_kv_offload_evictions", "Blocks deleted from the disk tier to stay within "
-             "--kv-offload-gb", stats.evictions),
-            ("pdserve_kv_offload_dropped", "Evicted blocks not stored because too many waited "
-             "to be written", stats.dropped),
+             lambda t: t.stats.store_seconds),
+            ("pdserve_kv_offload_loads", "KV blocks read from a tier", lambda t: t.stats.loads),
+            ("pdserve_kv_offload_load_bytes", "Bytes read from a tier",
+             lambda t: t.stats.load_bytes),
+            ("pdserve_kv_offload_load_seconds", "Seconds spent reading blocks",
+             lambda t: t.stats.load_seconds),
+            ("pdserve_kv_offload_evictions", "Blocks deleted from a tier to stay within its "
+             "size", lambda t: t.stats.evictions),
+            ("pdserve_kv_offload_dropped", "Blocks not stored because too many waited to be "
+             "written", lambda t: t.stats.dropped),
             ("pdserve_kv_offload_corrupt", "Blocks on disk that failed their checksum or size "
-             "check (treated as misses and deleted)", stats.corrupt),
-        ]:  # fmt: skip
-            family = CounterMetricFamily(name, text, labels=names)
-            family.add_metric(values, value)
-            yield family
-        for name, text, value in [
-            ("pdserve_kv_offload_used_bytes", "Bytes of KV blocks on the disk tier",
-             tier.used_bytes),
-            ("pdserve_kv_offload_capacity_bytes", "The disk tier's capacity (--kv-offload-gb)",
-             tier.capacity_bytes),
-            ("pdserve_kv_offload_blocks", "KV blocks held by the disk tier (on disk or being "
-             "written)", tier.num_blocks()),
-        ]:  # fmt: skip
-            gauge = GaugeMetricFamily(name, text, labels=names)
-            gauge.add_metric(values, value)
-            yield gauge
+             "check (treated as misses and deleted)", lambda t: t.stats.corrupt),
+        ]  # fmt: skip
+        gauges = [
+            ("pdserve_kv_offload_used_bytes", "Bytes of KV blocks in a tier (as this worker "
+             "knows it)", lambda t: t.used_bytes),
+            ("pdserve_kv_offload_capacity_bytes", "A tier's size (--kv-offload-gb, "
+             "--kv-shared-gb)", lambda t: t.capacity_bytes),
+            ("pdserve_kv_offload_blocks", "KV blocks held by a tier (on disk or being written)",
+             lambda t: t.num_blocks()),
+        ]  # fmt: skip
+        for kind, specs in ((CounterMetricFamily, counters), (GaugeMetricFamily, gauges)):
+            for name, text, read in specs:
+                family = kind(name, text, labels=names)
+                for tier_name, tier in tiers:
+                    family.add_metric([*self.labels.values(), tier_name], read(tier))
+                yield family
 
 
 class WorkerMetrics:
@@ -207,7 +210,7 @@ class WorkerMetrics:
         self.sync_prefix_cache()
         if engine.runner.expert_counter is not None:
             REGISTRY.register(MoeRoutingCollector(engine.runner, labels))
-        if engine.kv_cache.tier is not None:
+        if engine.kv_cache.tiers:
             REGISTRY.register(KvOffloadCollector(engine, labels))
 
     def refused(self, reason: str) -> None:

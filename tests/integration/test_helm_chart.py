@@ -1118,6 +1118,170 @@ def test_bad_tls_values_fail_the_render(sets: list[str], message: str) -> None:
         assert message in result.stderr, result.stderr
 
 
+# --- the KV disk tier ------------------------------------------------------------------------
+
+KV_DIR = "/var/cache/pdserve-kv"
+KV_VARS = ("PDSERVE_KV_OFFLOAD_DIR", "PDSERVE_KV_OFFLOAD_GB")
+# Each pool's tier on its own: prefill on an emptyDir, decode on an existing claim.
+KV_OFFLOAD = {
+    "prefill": ("prefill.kvOffload.enabled=true",),
+    "decode": ("decode.kvOffload.enabled=true", "decode.kvOffload.claimName=kv"),
+}
+
+
+def render_json(*sets: str) -> list[dict]:
+    """helm template with --set-json (plain --set turns 0.5 into a string)."""
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    for s in sets:
+        args += ["--set-json", s]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def assert_no_kv_offload(dep: dict) -> None:
+    assert not set(KV_VARS) & set(env_of(container(dep)))
+    assert volume(dep, "kv-offload") is None and mount(container(dep), "kv-offload") is None
+
+
+@pytest.mark.parametrize("role", WORKERS)
+def test_kv_offload_manifests_pass_kubernetes_validate_strict(role: str) -> None:
+    for version in kube_versions():
+        for doc in render("default", *KV_OFFLOAD[role], kube=version):
+            what = f"kvOffload {role} k8s {version}: {doc['kind']}/{doc['metadata']['name']}"
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{what}: {exc}")
+
+
+def test_kv_offload_on_an_emptydir(monkeypatch) -> None:
+    docs = render("default", *KV_OFFLOAD["prefill"])
+    dep = deployment(docs, "prefill")
+    c = container(dep)
+    args, dests, env = parse_container(c, monkeypatch)
+    assert {"kv_offload_dir", "kv_offload_gb"} <= dests
+    assert env["PDSERVE_KV_OFFLOAD_DIR"] == KV_DIR == args.kv_offload_dir
+    assert env["PDSERVE_KV_OFFLOAD_GB"] == "4" and args.kv_offload_gb == 4.0
+    assert mount(c, "kv-offload") == {"name": "kv-offload", "mountPath": KV_DIR}
+    # ceil(4 GiB x 1.1): a little more than the tier, so kubelet does not evict the pod.
+    assert volume(dep, "kv-offload") == {"name": "kv-offload", "emptyDir": {"sizeLimit": "5Gi"}}
+    assert "strategy" not in dep["spec"]
+    assert_no_kv_offload(deployment(docs, "decode"))
+    assert_no_kv_offload(deployment(docs, "coordinator"))
+
+
+@pytest.mark.parametrize(
+    ("values", "size_gb", "empty_dir"),
+    [
+        ({"sizeGb": 10}, 10.0, {"sizeLimit": "11Gi"}),
+        ({"sizeGb": 0.5}, 0.5, {"sizeLimit": "1Gi"}),
+        ({"sizeGb": 2.3, "emptyDir": {"medium": "Memory"}}, 2.3,
+         {"medium": "Memory", "sizeLimit": "3Gi"}),
+        ({"mountPath": "/scratch/kv/"}, 4.0, {"sizeLimit": "5Gi"}),
+    ],
+)  # fmt: skip
+def test_kv_offload_emptydir_sizes(
+    values: dict, size_gb: float, empty_dir: dict, monkeypatch
+) -> None:
+    docs = render_json(f"decode.kvOffload={json.dumps({'enabled': True, **values})}")
+    dep = deployment(docs, "decode")
+    args, _, _ = parse_container(container(dep), monkeypatch)
+    assert args.kv_offload_gb == size_gb
+    path = values.get("mountPath", KV_DIR).rstrip("/")
+    assert args.kv_offload_dir == path == mount(container(dep), "kv-offload")["mountPath"]
+    assert volume(dep, "kv-offload") == {"name": "kv-offload", "emptyDir": empty_dir}
+
+
+def test_kv_offload_emptydir_holds_a_tier_per_expert_parallel_rank(monkeypatch) -> None:
+    """Each rank keeps a tier of sizeGb of its own (subfolder epR): ceil(4 x 1.1 x 2) = 9."""
+    docs = render("default", *KV_OFFLOAD["prefill"], "prefill.expertParallel=2", "prefill.gpus=2")
+    dep = deployment(docs, "prefill")
+    args, _, _ = parse_container(container(dep), monkeypatch)
+    assert args.kv_offload_gb == 4.0 and args.expert_parallel == 2
+    assert volume(dep, "kv-offload")["emptyDir"] == {"sizeLimit": "9Gi"}
+
+
+def test_kv_offload_on_a_claim(monkeypatch) -> None:
+    docs = render("default", *KV_OFFLOAD["decode"], "decode.kvOffload.sizeGb=20")
+    dep = deployment(docs, "decode")
+    c = container(dep)
+    args, _, env = parse_container(c, monkeypatch)
+    assert env["PDSERVE_KV_OFFLOAD_DIR"] == KV_DIR == args.kv_offload_dir
+    assert env["PDSERVE_KV_OFFLOAD_GB"] == "20" and args.kv_offload_gb == 20.0
+    assert mount(c, "kv-offload") == {"name": "kv-offload", "mountPath": KV_DIR}
+    assert volume(dep, "kv-offload") == {
+        "name": "kv-offload",
+        "persistentVolumeClaim": {"claimName": "kv"},
+    }
+    # One pod per folder: the old pod lets go of the claim before the new one mounts it.
+    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    assert_no_kv_offload(deployment(docs, "prefill"))
+    # A claim with autoscaling up to one pod is fine too.
+    docs = render(
+        "default",
+        *KV_OFFLOAD["decode"],
+        "decode.autoscaling.enabled=true",
+        "decode.autoscaling.maxReplicas=1",
+    )
+    assert volume(deployment(docs, "decode"), "kv-offload")["persistentVolumeClaim"] == {
+        "claimName": "kv"
+    }
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_without_kv_offload_no_pod_gets_any_of_it(value_set: str) -> None:
+    docs = manifests(value_set)
+    for component in ("coordinator", *WORKERS):
+        dep = deployment(docs, component)
+        assert not [n for n in env_of(container(dep)) if n.startswith("PDSERVE_KV_OFFLOAD")]
+        assert_no_kv_offload(dep)
+        assert "strategy" not in dep["spec"]
+    # Nor does a claim name alone, with the tier off.
+    docs = render("default", "decode.kvOffload.claimName=kv", "decode.replicas=3")
+    assert_no_kv_offload(deployment(docs, "decode"))
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            [*KV_OFFLOAD["decode"], "decode.replicas=2"],
+            "decode.kvOffload.claimName kv would be one folder for several decode pods",
+        ),
+        (
+            [*KV_OFFLOAD["decode"], "decode.autoscaling.enabled=true"],
+            "decode.kvOffload.claimName kv would be one folder for several decode pods",
+        ),
+        (
+            [*KV_OFFLOAD["prefill"], "prefill.kvOffload.mountPath=/tmp"],
+            "prefill.kvOffload.mountPath /tmp is already a volume of the pod",
+        ),
+        (
+            [*KV_OFFLOAD["prefill"], "model.source=pvc", "model.pvc.claimName=m",
+             "prefill.kvOffload.mountPath=/models/"],
+            "prefill.kvOffload.mountPath /models is already a volume of the pod",
+        ),
+        (
+            [*KV_OFFLOAD["prefill"], "prefill.kvOffload.sizeGb=0"],
+            "prefill.kvOffload.sizeGb must be > 0 (GiB), got 0",
+        ),
+        (
+            [*KV_OFFLOAD["decode"], "decode.kvOffload.mountPath=kv"],
+            'decode.kvOffload.mountPath must be an absolute path other than /, got "kv"',
+        ),
+    ],
+)  # fmt: skip
+def test_bad_kv_offload_values_fail_the_render(sets: list[str], message: str) -> None:
+    for skip in ([], ["--skip-schema-validation"]):
+        args = ["template", RELEASE, str(CHART), *skip]
+        for s in sets:
+            args += ["--set", s]
+        result = helm(*args, check=False)
+        assert result.returncode != 0
+        if not skip and "values don't meet the specifications of the schema" in result.stderr:
+            continue  # the schema caught it first
+        assert message in result.stderr, result.stderr
+
+
 # --- security, the test hook ----------------------------------------------------------------
 
 
@@ -1205,6 +1369,14 @@ def test_helm_test_hook_checks_the_answer(answer: str, passes: bool, tmp_path: P
         ("tls.trustBundle.key=a/b", "at '/tls/trustBundle/key'"),
         ("coordinator.publicTls.cert=x", "additional properties 'cert' not allowed"),
         ("coordinator.http.apiKeySecret.key=keys/a", "at '/coordinator/http/apiKeySecret/key'"),
+        ("prefill.kvOffload.sizeGb=0", "at '/prefill/kvOffload/sizeGb': exclusiveMinimum"),
+        ("decode.kvOffload.sizeGb=-1", "at '/decode/kvOffload/sizeGb': exclusiveMinimum"),
+        ("decode.kvOffload.enabled=on", "at '/decode/kvOffload/enabled': got string"),
+        ("prefill.kvOffload.size=4", "additional properties 'size' not allowed"),
+        ("decode.kvOffload.mountPath=kv", "at '/decode/kvOffload/mountPath'"),
+        ("prefill.kvOffload.emptyDir.medium=HugePages", "at '/prefill/kvOffload/emptyDir/medium'"),
+        ("prefill.kvOffload.emptyDir.sizeLimit=1Gi", "additional properties 'sizeLimit' not"),
+        ("decode.kvOffload.claimName=Not_A_Claim", "at '/decode/kvOffload/claimName'"),
     ],
 )
 def test_schema_rejects_bad_values(override: str, message: str) -> None:

@@ -134,3 +134,31 @@ def test_router_sends_a_conversation_to_the_tier_that_holds_it(tmp_path):
         assert cached[: len(HISTORIES)] == [0] * len(HISTORIES)
         assert cached[len(HISTORIES) :] == [len(HISTORIES[0])] * len(HISTORIES), cached
         assert hits > 0  # some of them came back from a tier
+
+
+def test_shared_tier_carries_a_conversation_to_another_worker(tmp_path):
+    """Two colocated workers on one --kv-shared-dir: a conversation answered by the first
+    is a prefix hit on the second, which never saw it (as after a failover or scale-in),
+    with the same tokens."""
+    shared = [*ARGS, "--kv-cache-tokens", "4096", "--kv-shared-dir", str(tmp_path)]
+    prompts = ROUNDS[0][:2]
+    with running("colocated", *shared) as first:
+        expected = [_generate(first.grpc, p) for p in prompts]
+        assert _settled(first, "pdserve_kv_offload_stores_total", 12) >= 12
+    with running("colocated", *shared) as second:
+        cached = []
+        for prompt in prompts:
+            with grpc.insecure_channel(second.grpc) as channel:
+                stub = generate_pb2_grpc.GenerateServiceStub(channel)
+                request = generate_pb2.GenerateRequest(
+                    token_ids=prompt,
+                    sampling=generate_pb2.SamplingParams(
+                        max_tokens=4, temperature=0, ignore_eos=True
+                    ),
+                )
+                responses = list(stub.Generate(request, timeout=120))
+            assert [t for r in responses for t in r.token_ids] == expected[len(cached)]
+            cached.append(responses[-1].usage.cached_tokens)
+        assert cached == [len(HISTORIES[0])] * len(prompts)
+        assert second.metric("pdserve_kv_offload_hits_total", tier="shared") > 0
+        assert second.free_blocks() == second.metric("pdserve_kv_cache_num_blocks")

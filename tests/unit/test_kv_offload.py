@@ -189,3 +189,23 @@ def test_tier_reports_what_it_starts_and_stops_holding(tmp_path):
     assert tier.drain_events() == []
     assert sorted(tier.held_hashes()) == [2, 3]
     tier.close()
+
+
+def test_shared_tier_reads_what_another_worker_wrote(tmp_path):
+    """Two tiers on one shared folder: a block one writes is found by the other (not in
+    its index yet), and a block one deletes is a plain miss for the other, not corruption."""
+    writer = _tier(tmp_path, shared=True, blocks=2)
+    reader = _tier(tmp_path, shared=True)
+    writer.store(1, [1] * 4, _kv(1))
+    assert writer.flush()
+    assert reader.num_blocks() == 0
+    assert torch.equal(_read(reader, 1, [1] * 4), _kv(1))
+    reader.store(1, [1] * 4, _kv(1))  # already there: not written again
+    assert reader.flush() and reader.stats.stores == 0
+    for h in (2, 3):  # the writer's budget is 2 blocks: block 1 goes
+        writer.store(h, [h] * 4, _kv(h))
+        assert writer.flush()
+    assert writer.stats.evictions == 1
+    assert _read(reader, 1, [1] * 4) is None and reader.stats.corrupt == 0
+    writer.close()
+    reader.close()

@@ -128,8 +128,8 @@ def _reference_block(config):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_block_matches_transformers(family, overrides, dtype):
-    """Our block built from the module's state dict (stacked expert layout) gives the
-    module's routing exactly and its output to rounding."""
+    """Our block built from the module's state dict (stacked expert layout) picks the
+    module's experts exactly, with its weights and output to rounding."""
     config = _tiny_config(family, **overrides)
     ref = _reference_block(config).to(dtype)
     prefix = "model.layers.0." + FAMILIES[config.architectures[0]].moe.block + "."  # type: ignore[union-attr]
@@ -144,7 +144,10 @@ def test_moe_block_matches_transformers(family, overrides, dtype):
     weights, ids = ours.router(x[0])
     assert torch.equal(ids, ref_ids)
     assert weights.dtype == ref_weights.dtype
-    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=0)
+    # The router's logits come from the batch-invariant GEMM, whose reduction order is its
+    # own, not the BLAS's transformers calls (MKL's differs by host: on AMD EPYC by an ulp
+    # in float32), so the weights match to rounding; the expert ids match exactly.
+    torch.testing.assert_close(weights, ref_weights)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(ours(x[0]), expected, **tol)
 

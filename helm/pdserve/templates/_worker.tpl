@@ -6,6 +6,7 @@
 {{- $pool := index $v $role -}}
 {{- $e := $pool.engine -}}
 {{- $ep := include "pdserve.expertParallel" . | int -}}
+{{- $kv := include "pdserve.kvOffload" . | fromYaml -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -15,6 +16,12 @@ metadata:
 spec:
   {{- if not $pool.autoscaling.enabled }}
   replicas: {{ $pool.replicas }}
+  {{- end }}
+  {{- if and $kv.enabled $kv.claimName }}
+  # The old pod lets go of the tier's claim before the new one mounts it: two pods never
+  # share the folder, and a ReadWriteOnce claim on another node cannot stall the rollout.
+  strategy:
+    type: Recreate
   {{- end }}
   selector:
     matchLabels:
@@ -119,6 +126,14 @@ spec:
             - name: PDSERVE_NO_PREFIX_CACHING
               value: "1"
             {{- end }}
+            {{- if $kv.enabled }}
+            # The disk tier below the KV pool: evicted prefix blocks are written here and read
+            # back on a prefix hit (each expert-parallel rank in its own epR subfolder).
+            - name: PDSERVE_KV_OFFLOAD_DIR
+              value: {{ $kv.mountPath | quote }}
+            - name: PDSERVE_KV_OFFLOAD_GB
+              value: {{ $kv.sizeGb | quote }}
+            {{- end }}
             {{- if gt $ep 1 }}
             # Mixture of experts: this process is rank 0 and starts ranks 1..N-1 in the
             # container; rank r listens on PDSERVE_PORT + r (grpc-epR) and uses cuda:r.
@@ -184,6 +199,62 @@ spec:
             {{- toYaml $sc | nindent 12 }}
           volumeMounts:
             {{- include "pdserve.volumeMounts" (dict "root" $root "shm" true) | nindent 12 }}
+            {{- if $kv.enabled }}
+            - name: kv-offload
+              mountPath: {{ $kv.mountPath }}
+            {{- end }}
       volumes:
         {{- include "pdserve.volumes" (dict "root" $root "shm" true) | nindent 8 }}
+        {{- if $kv.enabled }}
+        - name: kv-offload
+          {{- if $kv.claimName }}
+          persistentVolumeClaim:
+            claimName: {{ $kv.claimName }}
+          {{- else }}
+          emptyDir:
+            {{- with $kv.medium }}
+            medium: {{ . }}
+            {{- end }}
+            sizeLimit: {{ $kv.sizeLimit }}
+          {{- end }}
+        {{- end }}
+{{- end -}}
+
+{{/* A pool's disk KV tier (kvOffload), checked, as YAML: enabled, mountPath, sizeGb, claimName,
+medium, and sizeLimit, the emptyDir's: ceil(sizeGb x 1.1 x expertParallel) GiB (each
+expert-parallel rank keeps a tier of sizeGb of its own, in subfolder epR).
+(dict "root" . "component" ROLE) */}}
+{{- define "pdserve.kvOffload" -}}
+{{- $v := .root.Values -}}
+{{- $role := .component -}}
+{{- $k := (index $v $role).kvOffload | default dict -}}
+{{- if $k.enabled -}}
+{{- $ep := include "pdserve.expertParallel" . | int -}}
+{{- if not (gt (float64 $k.sizeGb) 0.0) -}}
+{{- fail (printf "%s.kvOffload.sizeGb must be > 0 (GiB), got %v" $role $k.sizeGb) -}}
+{{- end -}}
+{{- $path := trimSuffix "/" (toString $k.mountPath) -}}
+{{- if not (hasPrefix "/" $path) -}}
+{{- fail (printf "%s.kvOffload.mountPath must be an absolute path other than /, got %q" $role (toString $k.mountPath)) -}}
+{{- end -}}
+{{- $taken := list "/var/cache/pdserve" "/tmp" "/dev/shm" -}}
+{{- if ne $v.model.source "bundled" }}{{ $taken = append $taken (trimSuffix "/" $v.model.mountPath) }}{{ end -}}
+{{- if $v.tls.enabled }}{{ $taken = concat $taken (list "/etc/pdserve/tls" "/etc/pdserve/tls-ca") }}{{ end -}}
+{{- if has $path $taken -}}
+{{- fail (printf "%s.kvOffload.mountPath %s is already a volume of the pod (%s)" $role $path (join ", " $taken)) -}}
+{{- end -}}
+{{- $pool := index $v $role -}}
+{{- $many := ternary (gt (int $pool.autoscaling.maxReplicas) 1) (gt (int $pool.replicas) 1) (eq $pool.autoscaling.enabled true) -}}
+{{- if and $k.claimName $many -}}
+{{- fail (printf "%s.kvOffload.claimName %s would be one folder for several %s pods, but each pod's tier keeps its own index and LRU: a shared claim is not supported yet (keep one %s pod: %s.replicas 1, or %s.autoscaling.maxReplicas 1; or leave claimName empty for a per-pod emptyDir)" $role $k.claimName $role $role $role $role) -}}
+{{- end }}
+enabled: true
+mountPath: {{ $path | quote }}
+sizeGb: {{ $k.sizeGb }}
+claimName: {{ $k.claimName | default "" | quote }}
+medium: {{ ($k.emptyDir | default dict).medium | default "" | quote }}
+sizeLimit: {{ divf (mulf $k.sizeGb 11 $ep) 10 | ceil | int }}Gi
+{{- else -}}
+enabled: false
+{{- end -}}
 {{- end -}}
