@@ -57,6 +57,8 @@ class EngineConfig:
     # back on a hit (None: evicted blocks are dropped). At most kv_offload_gb GiB.
     kv_offload_dir: str | None = None
     kv_offload_gb: float = 4.0
+    # Host memory between the pool and the disk tier (pinned on GPUs), GiB; 0: none.
+    kv_host_offload_gb: float = 0.0
     # A tier shared with other workers of the same layout (e.g. a ReadWriteMany volume):
     # every cached block is written through to it, and any worker can read it back.
     kv_shared_dir: str | None = None
@@ -122,6 +124,13 @@ class EngineConfig:
             raise ValueError(f"eplb_interval: must be at least 1, got {self.eplb_interval}")
         if self.kv_offload_gb <= 0:
             raise ValueError(f"kv_offload_gb: must be > 0, got {self.kv_offload_gb}")
+        if self.kv_host_offload_gb < 0:
+            raise ValueError(f"kv_host_offload_gb: must be >= 0, got {self.kv_host_offload_gb}")
+        if self.kv_host_offload_gb and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_host_offload_gb: the tier holds prefix-cache blocks; it needs prefix "
+                "caching (drop --no-prefix-caching)"
+            )
         if self.kv_shared_gb <= 0:
             raise ValueError(f"kv_shared_gb: must be > 0, got {self.kv_shared_gb}")
         for name in ("kv_offload_dir", "kv_shared_dir"):

@@ -23,6 +23,7 @@ from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_cache_manager import KVCacheManager
+from pdserve.common.kv_host_tier import HostTier
 from pdserve.common.kv_offload import DiskTier
 from pdserve.common.model_files import resolve_model
 from pdserve.common.model_runner import ModelRunner
@@ -66,9 +67,17 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        kv = self.runner.kv_cache
+        disk = None
         if config.kv_offload_dir:
-            tier = self._disk_tier("kv_offload_dir", config.kv_offload_dir, config.kv_offload_gb)
-            self.kv_cache.attach_tier(tier, self.runner.kv_cache)
+            disk = self._disk_tier("kv_offload_dir", config.kv_offload_dir, config.kv_offload_gb)
+            self.kv_cache.attach_tier(disk, kv)
+        if config.kv_host_offload_gb:
+            host = HostTier(
+                int(config.kv_host_offload_gb * 2**30), kv.shape[1:], kv.dtype,
+                pin=kv.device.type == "cuda", below=disk.store if disk is not None else None,
+            )  # fmt: skip
+            self.kv_cache.attach_host_tier(host, kv)
         if config.kv_shared_dir:
             shared = self._disk_tier(
                 "kv_shared_dir", config.kv_shared_dir, config.kv_shared_gb, shared=True

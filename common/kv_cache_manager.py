@@ -22,7 +22,10 @@ from pdserve.common.request import Request
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.common.kv_host_tier import HostTier
     from pdserve.common.kv_offload import DiskTier
+
+    Tier = DiskTier | HostTier
 
 # An idle engine waits for its tier's reads (nothing else to run); at most this long.
 TIER_WAIT_S = 5.0
@@ -33,6 +36,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.host_tier: HostTier | None = None  # host memory, above `tier`: evictions go here
         self.tier: DiskTier | None = None  # this worker's own tier: evicted blocks go there
         self.shared_tier: DiskTier | None = None  # shared by workers: every block goes there
         self._kv: torch.Tensor | None = None
@@ -47,6 +51,15 @@ class KVCacheManager:
         self._kv = kv_cache
         self.pool.on_evict = self._spill
 
+    def attach_host_tier(self, tier: HostTier, kv_cache: torch.Tensor) -> None:
+        """Spill evicted cached blocks to `tier` (host memory) first; it hands its own
+        evictions down to the disk tier, if any."""
+        if not self.enable_prefix_caching:
+            return
+        self.host_tier = tier
+        self._kv = kv_cache
+        self.pool.on_evict = self._spill
+
     def attach_shared_tier(self, tier: DiskTier, kv_cache: torch.Tensor) -> None:
         """Write every block of `kv_cache` the prefix cache registers through to `tier`, a
         folder other workers share, and read blocks back from it on a hit (after the own
@@ -58,13 +71,15 @@ class KVCacheManager:
         self.pool.on_cached = self._write_through
 
     @property
-    def tiers(self) -> list[DiskTier]:
-        return [t for t in (self.tier, self.shared_tier) if t is not None]
+    def tiers(self) -> list[Tier]:
+        """Fastest first: host memory, the own disk tier, the shared one."""
+        return [t for t in (self.host_tier, self.tier, self.shared_tier) if t is not None]
 
     def _spill(self, block: KVCacheBlock) -> None:
-        assert self.tier is not None and self._kv is not None
+        tier = self.host_tier or self.tier
+        assert tier is not None and self._kv is not None
         assert block.block_hash is not None and block.token_ids is not None
-        self.tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
+        tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
 
     def _write_through(self, block: KVCacheBlock) -> None:
         assert self.shared_tier is not None and self._kv is not None
@@ -85,31 +100,41 @@ class KVCacheManager:
             tier.lookup(self._tier_candidates(request)[1])
 
     def load_from_tier(self, request: Request, wait: bool = False) -> bool:
-        """Bring the tiers' blocks of this request's prefix into the pool (the own tier's
-        first, then the shared one's). False while some are still being read (unless
-        `wait`: then wait for them, bounded)."""
+        """Bring the tiers' blocks of this request's prefix into the pool, fastest tier
+        first, again while any of them adds blocks (a prefix can lie partly in host memory,
+        partly on disk). False while some are still being read (unless `wait`: then wait
+        for them, bounded)."""
         ready = True
-        for tier in self.tiers:
-            ready = self._load_from(tier, request, wait) and ready
+        for _ in range(4):
+            added = 0
+            for tier in self.tiers:
+                tier_ready, promoted = self._load_from(tier, request, wait)
+                ready, added = ready and tier_ready, added + promoted
+            if not added or len(self.tiers) == 1:
+                break
         return ready
 
-    def _load_from(self, tier: DiskTier, request: Request, wait: bool) -> bool:
+    def _load_from(self, tier: Tier, request: Request, wait: bool) -> tuple[bool, int]:
+        """(whether nothing is still being read, blocks promoted) for one tier."""
         deadline = time.monotonic() + TIER_WAIT_S
+        promoted = 0
         for _ in range(4):  # a block written to disk meanwhile is read, then looked up again
             start, hashes = self._tier_candidates(request)
             held, ready = tier.lookup(hashes)
             if held == 0:
-                return True
+                return True, promoted
             if not ready:
                 if not wait or time.monotonic() >= deadline:
-                    return False
+                    return False, promoted
                 tier.wait_ready(hashes[:held], deadline - time.monotonic())
                 continue
-            if self._promote_run(tier, request, start, held) in (0, held):
-                return True
-        return True  # still changing under us: go on with what the pool has
+            n = self._promote_run(tier, request, start, held)
+            promoted += n
+            if n in (0, held):
+                return True, promoted
+        return True, promoted  # still changing under us: go on with what the pool has
 
-    def _promote_run(self, tier: DiskTier, request: Request, start: int, held: int) -> int:
+    def _promote_run(self, tier: Tier, request: Request, start: int, held: int) -> int:
         """Copy the tier's blocks `start ..` (`held` of them) into free pool blocks and
         register them; returns how many (fewer when the pool runs out or a block is no
         longer ready)."""
@@ -120,20 +145,21 @@ class KVCacheManager:
         finally:
             self.pool.free_blocks(reversed(hits))
 
-    def _promote(self, tier: DiskTier, request: Request, start: int, n: int) -> int:
+    def _promote(self, tier: Tier, request: Request, start: int, n: int) -> int:
         assert self._kv is not None
         bs = self.block_size
         spans = [(request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
                  for i in range(start, start + n)]  # fmt: skip
-        blocks: list[KVCacheBlock] = []
-        for (block_hash, tokens), kv in zip(spans, tier.take_ready(spans), strict=False):
-            block = self.pool.get_new_blocks(1)[0]
+        # Blocks first: taking them may spill others into a tier, which must happen before
+        # this tier hands out its blocks (a host tier's are views of slots it may reuse).
+        blocks = self.pool.get_new_blocks(n)
+        kvs = tier.take_ready(spans)
+        for (block_hash, tokens), kv, block in zip(spans, kvs, blocks, strict=False):
             self._kv[block.block_id].copy_(kv)
             self.pool.cache_block(block, block_hash, tokens)
-            blocks.append(block)
-        self.tier_hit_tokens += len(blocks) * bs
+        self.tier_hit_tokens += len(kvs) * bs
         self.pool.free_blocks(reversed(blocks))
-        return len(blocks)
+        return len(kvs)
 
     @property
     def num_free_blocks(self) -> int:

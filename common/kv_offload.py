@@ -110,7 +110,10 @@ class DiskTier:
         self._lock = threading.Condition()
         self._index: OrderedDict[int, int] = OrderedDict()  # on disk: hash -> file bytes
         self._pending: dict[int, Block] = {}  # to be written
-        self._loaded: dict[int, Block | None] = {}  # None: being read
+        # Read back (or kept after writing) for a request, until it takes them; None: being
+        # read. At most `max_pending_bytes` of them: the oldest untaken go first.
+        self._loaded: OrderedDict[int, Block | None] = OrderedDict()
+        self._wanted: set[int] = set()  # pending blocks a request looked up: keep once written
         self._reads: deque[int] = deque()
         self._writes: deque[int] = deque()
         self._stopped = False
@@ -157,6 +160,10 @@ class DiskTier:
             events, self._events = self._events, []
             return events
 
+    def holds(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._pending or block_hash in self._index
+
     def held_hashes(self) -> list[int]:
         """Every hash this tier holds (on disk or being written)."""
         with self._lock:
@@ -172,7 +179,9 @@ class DiskTier:
         held, ready = 0, True
         with self._lock:
             for h in hashes:
-                if h in self._pending or self._loaded.get(h) is not None:
+                if h in self._pending:
+                    self._wanted.add(h)
+                elif self._loaded.get(h) is not None:
                     pass
                 elif h in self._loaded:  # being read
                     ready = False
@@ -197,15 +206,6 @@ class DiskTier:
                     return
                 self._lock.wait(left)
 
-    def prefetch(self, hashes: Sequence[int]) -> None:
-        """Start reading these blocks (those on disk and not already read or queued)."""
-        with self._lock:
-            for h in hashes:
-                if h in self._index and h not in self._loaded and h not in self._pending:
-                    self._loaded[h] = None  # None: being read
-                    self._reads.append(h)
-            self._lock.notify()
-
     def take(self, block_hash: int, token_ids: Sequence[int]) -> torch.Tensor | object | None:
         """The block's KV if this tier holds it with these tokens (a tensor the caller
         owns), `LOADING` while it is being read, else None (a miss). A block on disk that
@@ -228,6 +228,7 @@ class DiskTier:
     def _take(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | object | None:
         pending = self._pending.get(block_hash)
         if pending is not None:
+            self._wanted.discard(block_hash)
             if pending[0] != tokens:
                 return None
             self.stats.hits += 1
@@ -259,12 +260,6 @@ class DiskTier:
         self._index[block_hash] = size
         self.used_bytes += size
         return True
-
-    def forget_loaded(self) -> None:
-        """Drop blocks read for requests that never took them (they stay on disk)."""
-        with self._lock:
-            for h in [h for h, v in self._loaded.items() if v is not None]:
-                del self._loaded[h]
 
     def seconds_per_load(self) -> float | None:
         """Measured seconds to read one block back (None before the first read)."""
@@ -343,12 +338,24 @@ class DiskTier:
         os.replace(tmp, self._path(block_hash))
         with self._lock:
             del self._pending[block_hash]
+            if block_hash in self._wanted:  # a request is about to take it: keep it at hand
+                self._wanted.discard(block_hash)
+                self._keep(block_hash, (tokens, kv))
             self._index[block_hash] = size
             self.used_bytes += size
             self.stats.stores += 1
             self.stats.store_bytes += size
             self.stats.store_seconds += time.perf_counter() - start
             self._lock.notify_all()
+
+    def _keep(self, block_hash: int, block: Block) -> None:
+        """Hold a block ready for `take` (under the lock), dropping the oldest untaken ones
+        past the memory budget (they stay on disk)."""
+        self._loaded[block_hash] = block
+        self._loaded.move_to_end(block_hash)
+        ready = [h for h, b in self._loaded.items() if b is not None]
+        for h in ready[: max(0, len(ready) - self.max_pending_bytes // self.block_bytes)]:
+            del self._loaded[h]
 
     def _make_room(self, size: int) -> None:
         """Delete least recently used blocks until `size` more bytes fit."""
@@ -380,7 +387,7 @@ class DiskTier:
                     self._event(False, block_hash)
                 self.stats.corrupt += not vanished
             else:
-                self._loaded[block_hash] = block
+                self._keep(block_hash, block)
                 self._index.move_to_end(block_hash)
                 self.stats.loads += 1
                 self.stats.load_bytes += block[1].nbytes

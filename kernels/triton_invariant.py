@@ -32,7 +32,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -56,7 +56,12 @@ def _linear_kernel(
         if WIDEN:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if IEEE or WIDEN:  # noqa: SIM108 (a constexpr branch, compiled away)
+        if INTERPRETED:
+            # The interpreter's tl.dot is numpy's BLAS, whose result for a row depends on
+            # where it sits in the tile on some CPUs (seen on AMD EPYC): sum the products
+            # over K in order instead, which no other row can change.
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:  # a constexpr branch, compiled away
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -84,7 +89,7 @@ def linear(
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        WIDEN=_INTERPRETED and x.dtype != torch.float32,
+        WIDEN=_INTERPRETED and x.dtype != torch.float32, INTERPRETED=_INTERPRETED,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return y

@@ -119,6 +119,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--kv-host-offload-gb",
+        type=float,
+        metavar="GB",
+        default=float(env("kv_host_offload_gb", "0")),
+        help="host memory (pinned on GPUs) between the KV cache and --kv-offload-dir: evicted "
+        "prefix blocks go here first and come back at memory speed (default: 0, none)",
+    )
+    g.add_argument(
         "--kv-shared-dir",
         metavar="DIR",
         default=env("kv_shared_dir"),
@@ -169,6 +177,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_offload_dir=args.kv_offload_dir,
         kv_offload_gb=args.kv_offload_gb,
+        kv_host_offload_gb=args.kv_host_offload_gb,
         kv_shared_dir=args.kv_shared_dir,
         kv_shared_gb=args.kv_shared_gb,
         expert_parallel=args.expert_parallel,
@@ -216,6 +225,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--max-model-len", args.max_model_len),
         ("--kv-offload-dir", args.kv_offload_dir),
         ("--kv-offload-gb", args.kv_offload_gb if args.kv_offload_dir else None),
+        ("--kv-host-offload-gb", args.kv_host_offload_gb or None),
         ("--kv-shared-dir", args.kv_shared_dir),
         ("--kv-shared-gb", args.kv_shared_gb if args.kv_shared_dir else None),
         ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),

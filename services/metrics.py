@@ -137,10 +137,10 @@ class MoeRoutingCollector(Collector):
 
 
 class KvOffloadCollector(Collector):
-    """The KV tiers below the pool, labelled `tier`: `disk` (`--kv-offload-dir`, this
-    worker's own) and `shared` (`--kv-shared-dir`). Read from their counts when scraped:
-    tokens served from each, blocks stored and evicted, bytes and seconds of reads and
-    writes, usage."""
+    """The KV tiers below the pool, labelled `tier`: `host` (`--kv-host-offload-gb`),
+    `disk` (`--kv-offload-dir`, this worker's own) and `shared` (`--kv-shared-dir`). Read
+    from their counts when scraped: tokens served from each, blocks stored and evicted, bytes
+    and seconds of reads and writes, usage."""
 
     def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
         self.kv = engine.kv_cache
@@ -148,7 +148,9 @@ class KvOffloadCollector(Collector):
         self.labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        tiers = [(n, t) for n, t in (("disk", self.kv.tier), ("shared", self.kv.shared_tier)) if t]
+        kv = self.kv
+        named = (("host", kv.host_tier), ("disk", kv.tier), ("shared", kv.shared_tier))
+        tiers = [(name, tier) for name, tier in named if tier is not None]
         names = [*self.labels, "tier"]
         counters = [
             ("pdserve_kv_offload_hits", "Prompt tokens read back from a tier into the pool "
@@ -174,8 +176,8 @@ class KvOffloadCollector(Collector):
         gauges = [
             ("pdserve_kv_offload_used_bytes", "Bytes of KV blocks in a tier (as this worker "
              "knows it)", lambda t: t.used_bytes),
-            ("pdserve_kv_offload_capacity_bytes", "A tier's size (--kv-offload-gb, "
-             "--kv-shared-gb)", lambda t: t.capacity_bytes),
+            ("pdserve_kv_offload_capacity_bytes", "A tier's size (--kv-host-offload-gb, "
+             "--kv-offload-gb, --kv-shared-gb)", lambda t: t.capacity_bytes),
             ("pdserve_kv_offload_blocks", "KV blocks held by a tier (on disk or being written)",
              lambda t: t.num_blocks()),
         ]  # fmt: skip

@@ -36,8 +36,9 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         engine = worker.loop.engine
         self.pool = engine.kv_cache.pool
         self.pool.record_events()
-        if engine.kv_cache.tier is not None:
-            engine.kv_cache.tier.record_events()
+        for tier in (engine.kv_cache.host_tier, engine.kv_cache.tier):
+            if tier is not None:
+                tier.record_events()
         self.block_size = engine.kv_cache.block_size
         self._watchers: dict[int, asyncio.Queue[worker_pb2.WatchResponse | None]] = {}
         self._fresh: set[int] = set()  # watchers whose first report (the index) is due
@@ -146,10 +147,13 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             "offload_cost": engine.offload_cost(),
         }
         pool = self.pool.drain_events(), list(self.pool.cached) if with_index else None
-        tier = engine.kv_cache.tier
-        if tier is None:
-            return pool, ([], None), load
-        return pool, (tier.drain_events(), tier.held_hashes() if with_index else None), load
+        # The worker's own tiers (host memory, disk) as one: a hash leaving one of them is
+        # reported gone only when the other does not hold it either.
+        tiers = [t for t in (engine.kv_cache.host_tier, engine.kv_cache.tier) if t is not None]
+        events = [e for t in tiers for e in t.drain_events()]
+        events = [(held, h) for held, h in events if held or not any(t.holds(h) for t in tiers)]
+        index = list(dict.fromkeys(h for t in tiers for h in t.held_hashes()))
+        return pool, (events, index if with_index else None), load
 
 
 def _end(queue: asyncio.Queue[worker_pb2.WatchResponse | None]) -> None:

@@ -209,3 +209,26 @@ def test_shared_tier_reads_what_another_worker_wrote(tmp_path):
     assert _read(reader, 1, [1] * 4) is None and reader.stats.corrupt == 0
     writer.close()
     reader.close()
+
+
+def test_host_tier_hands_its_least_recently_used_block_down(tmp_path):
+    """Host memory above the disk: when its slots are full, the least recently used block
+    moves down to the disk tier before the slot is reused; both serve it back exactly."""
+    from pdserve.common.kv_host_tier import HostTier
+
+    disk = _tier(tmp_path)
+    host = HostTier(2 * torch.empty(SHAPE).nbytes, SHAPE, torch.float32, pin=False,
+                    below=disk.store)  # fmt: skip
+    host.record_events()
+    for h in (1, 2):
+        host.store(h, [h] * 4, _kv(h))
+    assert host.lookup([1, 2, 3]) == (2, True)
+    assert torch.equal(host.take_ready([(1, [1] * 4)])[0], _kv(1))  # 1 is now the newest
+    host.store(3, [3] * 4, _kv(3))  # full: 2 goes down
+    assert host.lookup([2]) == (0, True) and disk.flush() and disk.holds(2)
+    assert torch.equal(_read(disk, 2, [2] * 4), _kv(2))
+    assert host.take_ready([(3, [0] * 4)]) == []  # other tokens: a miss
+    assert host.drain_events() == [(True, 1), (True, 2), (False, 2), (True, 3)]
+    host.close()  # what host memory held goes down to the disk tier
+    assert disk.flush() and disk.holds(1) and disk.holds(3)
+    disk.close()

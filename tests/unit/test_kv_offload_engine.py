@@ -34,17 +34,30 @@ def _run(engine: LLMEngine, between=None) -> list[list[int]]:
     return ids
 
 
+def _host_gb(engine: LLMEngine, blocks: int) -> float:
+    return blocks * engine.runner.kv_cache[0].nbytes / 2**30
+
+
+@pytest.mark.parametrize("tiers", ["disk", "host", "host+disk"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tier_gives_the_unbounded_pools_ids_and_its_hits(tiny_model_dir, tmp_path, dtype):
+def test_tier_gives_the_unbounded_pools_ids_and_its_hits(tiny_model_dir, tmp_path, dtype, tiers):
+    """Each tier setup: the disk alone; host memory big enough for everything; host memory
+    for 8 blocks that hands the rest down to the disk (both serve hits)."""
     unbounded = _engine(tiny_model_dir, dtype, kv_cache_tokens=4096)
     expected = _run(unbounded)
     small = _engine(tiny_model_dir, dtype, kv_cache_tokens=192)
     assert _run(small) == expected
-    tiered = _engine(tiny_model_dir, dtype, kv_cache_tokens=192, kv_offload_dir=str(tmp_path))
+    extra: dict = {}
+    if "disk" in tiers:
+        extra["kv_offload_dir"] = str(tmp_path)
+    if "host" in tiers:
+        extra["kv_host_offload_gb"] = _host_gb(small, 8 if "disk" in tiers else 64)
+    tiered = _engine(tiny_model_dir, dtype, kv_cache_tokens=192, **extra)
     assert _run(tiered) == expected
     hits = {e: e.scheduler.stats.prefix_cache_hits for e in (unbounded, small, tiered)}
     assert hits[tiered] == hits[unbounded] > hits[small]
     assert tiered.kv_cache.tier_hit_tokens > 0
+    assert all(t.stats.hits > 0 for t in tiered.kv_cache.tiers), tiers
     for engine in (small, tiered):
         assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
     tiered.close()

@@ -34,7 +34,7 @@ class Loop:
 
 def fake_worker() -> SimpleNamespace:
     engine = SimpleNamespace(
-        kv_cache=SimpleNamespace(pool=Pool(), block_size=16, tier=None),
+        kv_cache=SimpleNamespace(pool=Pool(), block_size=16, tier=None, host_tier=None),
         scheduler=SimpleNamespace(running=[], waiting=[]),
         offload_cost=lambda: 0.0,
     )

@@ -1,0 +1,126 @@
+"""The host-memory tier of the KV cache (`--kv-host-offload-gb`), between a GPU worker's
+device pool and its disk tier: blocks the pool evicts are copied into one slab of pinned
+host memory (slots of one block each, allocated at start), and copied back on a prefix hit.
+When the slab is full its least recently used block moves down to the next tier (the disk
+tier, when there is one) before its slot is reused. On a CPU worker the slab is ordinary
+memory: the tier then only adds room next to the pool.
+
+The same interface as `DiskTier` (see `common/kv_offload.py`), without a thread: every
+block it holds is ready at once."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pdserve.common.kv_offload import TierStats
+
+
+class HostTier:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        pin: bool,
+        below: Callable[[int, tuple[int, ...], torch.Tensor], None] | None = None,
+    ) -> None:
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.block_bytes = torch.empty(self.block_shape, dtype=dtype).nbytes
+        num_slots = max(1, capacity_bytes // self.block_bytes)
+        self.capacity_bytes = num_slots * self.block_bytes
+        self.slab = torch.empty((num_slots, *self.block_shape), dtype=dtype, pin_memory=pin)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._held: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # LRU first
+        self.below = below  # where an evicted block goes (hash, token ids, KV)
+        self.stats = TierStats()
+        self._events: list[tuple[bool, int]] | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._held) * self.block_bytes
+
+    def num_blocks(self) -> int:
+        return len(self._held)
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._held
+
+    def store(self, block_hash: int, token_ids: Sequence[int], kv: torch.Tensor) -> None:
+        if block_hash in self._held:
+            self._held.move_to_end(block_hash)
+            return
+        start = time.perf_counter()
+        if not self._free:
+            victim, (slot, tokens) = self._held.popitem(last=False)
+            if self.below is not None:
+                self.below(victim, tokens, self.slab[slot])
+            self._free.append(slot)
+            self.stats.evictions += 1
+            self._event(False, victim)
+        slot = self._free.pop()
+        self.slab[slot].copy_(kv)
+        self._held[block_hash] = (slot, tuple(token_ids))
+        self._event(True, block_hash)
+        self.stats.stores += 1
+        self.stats.store_bytes += self.block_bytes
+        self.stats.store_seconds += time.perf_counter() - start
+
+    def lookup(self, hashes: Sequence[int]) -> tuple[int, bool]:
+        held = 0
+        for h in hashes:
+            if h not in self._held:
+                break
+            held += 1
+        return held, True
+
+    def wait_ready(self, hashes: Sequence[int], timeout: float) -> None:
+        return None
+
+    def take_ready(self, blocks: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """Views of the leading blocks' slots (copy them before the next `store`)."""
+        out = []
+        for block_hash, token_ids in blocks:
+            entry = self._held.get(block_hash)
+            if entry is None or entry[1] != tuple(token_ids):
+                break
+            self._held.move_to_end(block_hash)
+            out.append(self.slab[entry[0]])
+        self.stats.hits += len(out)
+        self.stats.loads += len(out)
+        self.stats.load_bytes += len(out) * self.block_bytes
+        return out
+
+    def seconds_per_load(self) -> float | None:
+        return None  # a copy from host memory: cheaper than the disk, not timed per block
+
+    def record_events(self) -> None:
+        if self._events is None:
+            self._events = []
+
+    def drain_events(self) -> list[tuple[bool, int]]:
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def held_hashes(self) -> list[int]:
+        return list(self._held)
+
+    def _event(self, held: bool, block_hash: int) -> None:
+        if self._events is not None:
+            self._events.append((held, block_hash))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Hand every block down to the tier below (so a disk tier keeps them)."""
+        if self.below is not None:
+            for block_hash, (slot, tokens) in self._held.items():
+                self.below(block_hash, tokens, self.slab[slot])
+        self._held.clear()
