@@ -1282,6 +1282,171 @@ def test_bad_kv_offload_values_fail_the_render(sets: list[str], message: str) ->
         assert message in result.stderr, result.stderr
 
 
+# --- the shared KV tier ---------------------------------------------------------------------
+
+KV_SHARED_DIR = "/var/cache/pdserve-kv-shared"
+# One ReadWriteMany claim for every worker pod of kvShared.pools (both pools by default).
+KV_SHARED = ("kvShared.enabled=true", "kvShared.claimName=kv-rwx")
+
+
+def assert_no_kv_shared(dep: dict) -> None:
+    assert not [n for n in env_of(container(dep)) if n.startswith("PDSERVE_KV_SHARED")]
+    assert volume(dep, "kv-shared") is None and mount(container(dep), "kv-shared") is None
+
+
+def assert_kv_shared(
+    dep: dict,
+    monkeypatch: pytest.MonkeyPatch,
+    size_gb: float = 16.0,
+    path: str = KV_SHARED_DIR,
+    claim: str = "kv-rwx",
+) -> None:
+    """The pool's worker gets the shared tier: the real CLI reads its flags from the env."""
+    c = container(dep)
+    args, dests, env = parse_container(c, monkeypatch)
+    assert {"kv_shared_dir", "kv_shared_gb"} <= dests
+    assert env["PDSERVE_KV_SHARED_DIR"] == path == args.kv_shared_dir
+    assert float(env["PDSERVE_KV_SHARED_GB"]) == size_gb == args.kv_shared_gb
+    assert mount(c, "kv-shared") == {"name": "kv-shared", "mountPath": path}
+    assert volume(dep, "kv-shared") == {
+        "name": "kv-shared",
+        "persistentVolumeClaim": {"claimName": claim},
+    }
+    # Sharing is the point: no Recreate strategy (and no replica limit, see below).
+    assert "strategy" not in dep["spec"]
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        KV_SHARED,
+        (*KV_SHARED, "kvShared.pools={decode}"),
+        (*KV_SHARED, *KV_OFFLOAD["prefill"], *KV_OFFLOAD["decode"]),
+    ],
+    ids=["both-pools", "decode-only", "with-kv-offload"],
+)
+def test_kv_shared_manifests_pass_kubernetes_validate_strict(sets: tuple[str, ...]) -> None:
+    for version in kube_versions():
+        for doc in render("default", *sets, kube=version):
+            what = f"kvShared {sets} k8s {version}: {doc['kind']}/{doc['metadata']['name']}"
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{what}: {exc}")
+
+
+def test_kv_shared_on_every_worker_pod(monkeypatch) -> None:
+    docs = render("default", *KV_SHARED, "prefill.replicas=3", "decode.autoscaling.enabled=true")
+    for role in WORKERS:
+        assert_kv_shared(deployment(docs, role), monkeypatch)
+        assert_no_kv_offload(deployment(docs, role))
+    # Many pods on one claim: the replicas and the autoscaler stay as they were.
+    assert deployment(docs, "prefill")["spec"]["replicas"] == 3
+    assert "replicas" not in deployment(docs, "decode")["spec"]
+    assert_no_kv_shared(deployment(docs, "coordinator"))
+
+
+def test_kv_shared_on_the_listed_pools_only(monkeypatch) -> None:
+    # prefill is not listed, so its prefix caching may be off.
+    docs = render(
+        "default", *KV_SHARED, "kvShared.pools={decode}", "prefill.engine.prefixCaching=false"
+    )
+    assert_kv_shared(deployment(docs, "decode"), monkeypatch)
+    assert_no_kv_shared(deployment(docs, "prefill"))
+    assert_no_kv_shared(deployment(docs, "coordinator"))
+    docs = render("default", *KV_SHARED, "kvShared.pools={prefill}")
+    assert_kv_shared(deployment(docs, "prefill"), monkeypatch)
+    assert_no_kv_shared(deployment(docs, "decode"))
+
+
+def test_kv_shared_sizes_and_paths(monkeypatch) -> None:
+    shared = {"enabled": True, "claimName": "shared", "sizeGb": 0.5, "mountPath": "/kv/shared/"}
+    docs = render_json(f"kvShared={json.dumps(shared)}")
+    for role in WORKERS:
+        assert_kv_shared(deployment(docs, role), monkeypatch, 0.5, "/kv/shared", "shared")
+
+
+def test_kv_shared_beside_the_pods_own_tier(monkeypatch) -> None:
+    docs = render("default", *KV_SHARED, *KV_OFFLOAD["prefill"], "kvShared.sizeGb=64")
+    dep = deployment(docs, "prefill")
+    assert_kv_shared(dep, monkeypatch, size_gb=64.0)
+    args, _, _ = parse_container(container(dep), monkeypatch)
+    assert args.kv_offload_dir == KV_DIR != args.kv_shared_dir
+    assert volume(dep, "kv-offload") == {"name": "kv-offload", "emptyDir": {"sizeLimit": "5Gi"}}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_without_kv_shared_no_pod_gets_any_of_it(value_set: str) -> None:
+    docs = manifests(value_set)
+    text = yaml.safe_dump_all(docs)
+    assert "PDSERVE_KV_SHARED" not in text and "kv-shared" not in text
+    for component in ("coordinator", *WORKERS):
+        assert_no_kv_shared(deployment(docs, component))
+    # Nor does a claim name alone, with the tier off.
+    docs = render("default", "kvShared.claimName=kv-rwx")
+    assert "kv-shared" not in yaml.safe_dump_all(docs)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ["kvShared.enabled=true"],
+            "kvShared.claimName is required with kvShared.enabled",
+        ),
+        (
+            [*KV_SHARED, "kvShared.pools={prefill,coordinator}"],
+            'kvShared.pools: "coordinator" is not a worker pool (prefill or decode)',
+        ),
+        (
+            [*KV_SHARED, "json:kvShared.pools=[]"],
+            "kvShared.pools lists no pool",
+        ),
+        (
+            [*KV_SHARED, "kvShared.pools=decode"],
+            "kvShared.pools must be a list of worker pools (prefill, decode), got decode",
+        ),
+        (
+            [*KV_SHARED, "kvShared.sizeGb=0"],
+            "kvShared.sizeGb must be > 0 (GiB), got 0",
+        ),
+        (
+            [*KV_SHARED, "kvShared.mountPath=kv"],
+            'kvShared.mountPath must be an absolute path other than /, got "kv"',
+        ),
+        (
+            [*KV_SHARED, "kvShared.mountPath=/dev/shm/"],
+            "kvShared.mountPath /dev/shm is already a volume of the pod",
+        ),
+        (
+            [*KV_SHARED, "tls.enabled=true", "tls.secretName=t",
+             "kvShared.mountPath=/etc/pdserve/tls"],
+            "kvShared.mountPath /etc/pdserve/tls is already a volume of the pod",
+        ),
+        (
+            [*KV_SHARED, *KV_OFFLOAD["decode"], f"kvShared.mountPath={KV_DIR}/"],
+            f"kvShared.mountPath {KV_DIR} is decode.kvOffload.mountPath too",
+        ),
+        (
+            [*KV_SHARED, "decode.engine.prefixCaching=false"],
+            "kvShared holds prefix-cache blocks: decode.engine.prefixCaching must be on",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_kv_shared_values_fail_the_render(sets: list[str], message: str) -> None:
+    for skip in ([], ["--skip-schema-validation"]):
+        args = ["template", RELEASE, str(CHART), *skip]
+        for s in sets:
+            args += (
+                ["--set-json", s.removeprefix("json:")] if s.startswith("json:") else ["--set", s]
+            )
+        result = helm(*args, check=False)
+        assert result.returncode != 0
+        if not skip and "values don't meet the specifications of the schema" in result.stderr:
+            continue  # the schema caught it first
+        assert message in result.stderr, result.stderr
+
+
 # --- security, the test hook ----------------------------------------------------------------
 
 
@@ -1377,6 +1542,15 @@ def test_helm_test_hook_checks_the_answer(answer: str, passes: bool, tmp_path: P
         ("prefill.kvOffload.emptyDir.medium=HugePages", "at '/prefill/kvOffload/emptyDir/medium'"),
         ("prefill.kvOffload.emptyDir.sizeLimit=1Gi", "additional properties 'sizeLimit' not"),
         ("decode.kvOffload.claimName=Not_A_Claim", "at '/decode/kvOffload/claimName'"),
+        ("kvShared.enabled=true", "at '/kvShared/claimName': minLength: got 0, want 1"),
+        ("kvShared.sizeGb=0", "at '/kvShared/sizeGb': exclusiveMinimum"),
+        ("kvShared.pools={prefill,coordinator}", "at '/kvShared/pools/1': value must be one of"),
+        ("kvShared.pools={decode,decode}", "at '/kvShared/pools': items at 0 and 1 are equal"),
+        ("kvShared.pools=decode", "at '/kvShared/pools': got string, want array"),
+        ("kvShared.mountPath=kv", "at '/kvShared/mountPath'"),
+        ("kvShared.enabled=yes", "at '/kvShared/enabled': got string, want boolean"),
+        ("kvShared.claimName=Not_A_Claim", "at '/kvShared/claimName'"),
+        ("kvShared.size=4", "additional properties 'size' not allowed"),
     ],
 )
 def test_schema_rejects_bad_values(override: str, message: str) -> None:

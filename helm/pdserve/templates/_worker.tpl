@@ -7,6 +7,7 @@
 {{- $e := $pool.engine -}}
 {{- $ep := include "pdserve.expertParallel" . | int -}}
 {{- $kv := include "pdserve.kvOffload" . | fromYaml -}}
+{{- $shared := include "pdserve.kvShared" . | fromYaml -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -134,6 +135,14 @@ spec:
             - name: PDSERVE_KV_OFFLOAD_GB
               value: {{ $kv.sizeGb | quote }}
             {{- end }}
+            {{- if $shared.enabled }}
+            # The KV tier shared by the workers (kvShared): every cached prefix block is written
+            # through to this ReadWriteMany folder and any worker of the model reads it back.
+            - name: PDSERVE_KV_SHARED_DIR
+              value: {{ $shared.mountPath | quote }}
+            - name: PDSERVE_KV_SHARED_GB
+              value: {{ $shared.sizeGb | quote }}
+            {{- end }}
             {{- if gt $ep 1 }}
             # Mixture of experts: this process is rank 0 and starts ranks 1..N-1 in the
             # container; rank r listens on PDSERVE_PORT + r (grpc-epR) and uses cuda:r.
@@ -203,6 +212,10 @@ spec:
             - name: kv-offload
               mountPath: {{ $kv.mountPath }}
             {{- end }}
+            {{- if $shared.enabled }}
+            - name: kv-shared
+              mountPath: {{ $shared.mountPath }}
+            {{- end }}
       volumes:
         {{- include "pdserve.volumes" (dict "root" $root "shm" true) | nindent 8 }}
         {{- if $kv.enabled }}
@@ -217,6 +230,11 @@ spec:
             {{- end }}
             sizeLimit: {{ $kv.sizeLimit }}
           {{- end }}
+        {{- end }}
+        {{- if $shared.enabled }}
+        - name: kv-shared
+          persistentVolumeClaim:
+            claimName: {{ $shared.claimName }}
         {{- end }}
 {{- end -}}
 
@@ -237,16 +255,14 @@ expert-parallel rank keeps a tier of sizeGb of its own, in subfolder epR).
 {{- if not (hasPrefix "/" $path) -}}
 {{- fail (printf "%s.kvOffload.mountPath must be an absolute path other than /, got %q" $role (toString $k.mountPath)) -}}
 {{- end -}}
-{{- $taken := list "/var/cache/pdserve" "/tmp" "/dev/shm" -}}
-{{- if ne $v.model.source "bundled" }}{{ $taken = append $taken (trimSuffix "/" $v.model.mountPath) }}{{ end -}}
-{{- if $v.tls.enabled }}{{ $taken = concat $taken (list "/etc/pdserve/tls" "/etc/pdserve/tls-ca") }}{{ end -}}
+{{- $taken := include "pdserve.workerMountPaths" .root | fromJsonArray -}}
 {{- if has $path $taken -}}
 {{- fail (printf "%s.kvOffload.mountPath %s is already a volume of the pod (%s)" $role $path (join ", " $taken)) -}}
 {{- end -}}
 {{- $pool := index $v $role -}}
 {{- $many := ternary (gt (int $pool.autoscaling.maxReplicas) 1) (gt (int $pool.replicas) 1) (eq $pool.autoscaling.enabled true) -}}
 {{- if and $k.claimName $many -}}
-{{- fail (printf "%s.kvOffload.claimName %s would be one folder for several %s pods, but each pod's tier keeps its own index and LRU: a shared claim is not supported yet (keep one %s pod: %s.replicas 1, or %s.autoscaling.maxReplicas 1; or leave claimName empty for a per-pod emptyDir)" $role $k.claimName $role $role $role $role) -}}
+{{- fail (printf "%s.kvOffload.claimName %s would be one folder for several %s pods, but each pod's tier keeps its own index and LRU: kvOffload is the pod's own tier, kvShared the one for a folder shared by pods (keep one %s pod: %s.replicas 1, or %s.autoscaling.maxReplicas 1; or leave claimName empty for a per-pod emptyDir)" $role $k.claimName $role $role $role $role) -}}
 {{- end }}
 enabled: true
 mountPath: {{ $path | quote }}
@@ -254,6 +270,70 @@ sizeGb: {{ $k.sizeGb }}
 claimName: {{ $k.claimName | default "" | quote }}
 medium: {{ ($k.emptyDir | default dict).medium | default "" | quote }}
 sizeLimit: {{ divf (mulf $k.sizeGb 11 $ep) 10 | ceil | int }}Gi
+{{- else -}}
+enabled: false
+{{- end -}}
+{{- end -}}
+
+{{/* The mount paths every worker pod already has (before its KV tiers), as a JSON list. */}}
+{{- define "pdserve.workerMountPaths" -}}
+{{- $v := .Values -}}
+{{- $taken := list "/var/cache/pdserve" "/tmp" "/dev/shm" -}}
+{{- if ne $v.model.source "bundled" }}{{ $taken = append $taken (trimSuffix "/" $v.model.mountPath) }}{{ end -}}
+{{- if $v.tls.enabled }}{{ $taken = concat $taken (list "/etc/pdserve/tls" "/etc/pdserve/tls-ca") }}{{ end -}}
+{{- toJson $taken -}}
+{{- end -}}
+
+{{/* The KV tier shared by the worker pods (kvShared), checked, as YAML for one pool: enabled
+(kvShared is on and lists this pool), mountPath, sizeGb, claimName. One ReadWriteMany claim
+for every listed pool's pods: no replica limit and no Recreate strategy, sharing is the point
+(each worker deletes, LRU first, only blocks it knows of, to keep its share within sizeGb).
+(dict "root" . "component" ROLE) */}}
+{{- define "pdserve.kvShared" -}}
+{{- $v := .root.Values -}}
+{{- $role := .component -}}
+{{- $s := $v.kvShared | default dict -}}
+{{- if $s.enabled -}}
+{{- if not $s.claimName -}}
+{{- fail "kvShared.claimName is required with kvShared.enabled: an existing ReadWriteMany PersistentVolumeClaim, mounted by every worker pod of kvShared.pools" -}}
+{{- end -}}
+{{- if not (kindIs "slice" $s.pools) -}}
+{{- fail (printf "kvShared.pools must be a list of worker pools (prefill, decode), got %v" $s.pools) -}}
+{{- end -}}
+{{- if not $s.pools -}}
+{{- fail "kvShared.pools lists no pool: name prefill, decode or both (or leave kvShared.enabled off)" -}}
+{{- end -}}
+{{- range $s.pools -}}
+{{- if not (has (toString .) (list "prefill" "decode")) -}}
+{{- fail (printf "kvShared.pools: %q is not a worker pool (prefill or decode)" (toString .)) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (gt (float64 $s.sizeGb) 0.0) -}}
+{{- fail (printf "kvShared.sizeGb must be > 0 (GiB), got %v" $s.sizeGb) -}}
+{{- end -}}
+{{- $path := trimSuffix "/" (toString $s.mountPath) -}}
+{{- if not (hasPrefix "/" $path) -}}
+{{- fail (printf "kvShared.mountPath must be an absolute path other than /, got %q" (toString $s.mountPath)) -}}
+{{- end -}}
+{{- $taken := include "pdserve.workerMountPaths" .root | fromJsonArray -}}
+{{- if has $path $taken -}}
+{{- fail (printf "kvShared.mountPath %s is already a volume of the pod (%s)" $path (join ", " $taken)) -}}
+{{- end -}}
+{{- if has $role (toStrings $s.pools) -}}
+{{- $kv := include "pdserve.kvOffload" . | fromYaml -}}
+{{- if and $kv.enabled (eq $kv.mountPath $path) -}}
+{{- fail (printf "kvShared.mountPath %s is %s.kvOffload.mountPath too: the shared tier and the pod's own tier need folders of their own" $path $role) -}}
+{{- end -}}
+{{- if not (index $v $role).engine.prefixCaching -}}
+{{- fail (printf "kvShared holds prefix-cache blocks: %s.engine.prefixCaching must be on (or leave %s out of kvShared.pools)" $role $role) -}}
+{{- end }}
+enabled: true
+mountPath: {{ $path | quote }}
+sizeGb: {{ $s.sizeGb }}
+claimName: {{ $s.claimName | quote }}
+{{- else -}}
+enabled: false
+{{- end -}}
 {{- else -}}
 enabled: false
 {{- end -}}
