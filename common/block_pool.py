@@ -19,6 +19,9 @@ class KVCacheBlock:
     # Set once the block is full and its KV written; cleared when the block is reused.
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    # False: when evicted, drop it rather than spill it to a tier (its request was preempted
+    # to be recomputed: keeping its KV costs more than computing it again).
+    spill: bool = True
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -100,8 +103,13 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             hook = self.on_evict
-            if hook is not None and self.cached.get(block.block_hash or -1) is block:
+            if (
+                hook is not None
+                and block.spill
+                and self.cached.get(block.block_hash or -1) is block
+            ):
                 hook(block)
+            block.spill = True
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
@@ -121,6 +129,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            block.spill = True  # wanted again: worth keeping after all
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; pass them in eviction order (first evicted first)."""

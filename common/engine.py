@@ -313,9 +313,8 @@ class LLMEngine:
         if prefill_tokens >= 4 * self.config.block_size:
             per_token = seconds / prefill_tokens
             old = self.prefill_seconds_per_token
-            self.prefill_seconds_per_token = (
-                per_token if old is None else 0.8 * old + 0.2 * per_token
-            )
+            new = per_token if old is None else 0.8 * old + 0.2 * per_token
+            self.prefill_seconds_per_token = self.kv_cache.prefill_seconds_per_token = new
 
     def offload_cost(self) -> float:
         """Reading a block back from the tier over computing it, both measured here (0 while

@@ -41,6 +41,8 @@ class KVCacheManager:
         self.shared_tier: DiskTier | None = None  # shared by workers: every block goes there
         self._kv: torch.Tensor | None = None
         self.tier_hit_tokens = 0  # prompt tokens read back from the tiers into the pool
+        # The engine's measured prefill time per token (what recomputing KV costs).
+        self.prefill_seconds_per_token: float | None = None
 
     def attach_tier(self, tier: DiskTier, kv_cache: torch.Tensor) -> None:
         """Spill evicted cached blocks of `kv_cache` (block-major) to `tier`, and read
@@ -226,9 +228,31 @@ class KVCacheManager:
             )
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
-    def free(self, request: Request) -> None:
+    def swap_pays(self, request: Request) -> bool:
+        """Whether a preempted request's KV should be kept (its full blocks spilled to the
+        tiers and read back on resume) rather than recomputed: its blocks' measured write and
+        read time against its tokens' measured prefill time. True while either is unmeasured
+        (a tier read is usually far cheaper than a prefill); False without a tier."""
+        tier = self.host_tier or self.tier
+        if tier is None:
+            return False
+        stats = tier.stats
+        per_token = self.prefill_seconds_per_token
+        if not stats.stores or not per_token:
+            return True
+        write = stats.store_seconds / stats.stores
+        read = tier.seconds_per_load() or write
+        blocks = request.num_computed_tokens // self.block_size
+        return blocks * (write + read) < request.num_computed_tokens * per_token
+
+    def free(self, request: Request, keep: bool = True) -> None:
         """Return the request's blocks, tail first: the end of a sequence is the least
-        likely to be shared, so it is evicted before the prefix."""
+        likely to be shared, so it is evicted before the prefix. `keep=False`: blocks no
+        one else holds are dropped when evicted instead of spilled to a tier."""
+        if not keep:
+            for block in request.blocks:
+                if block.ref_cnt == 1:
+                    block.spill = False
         self.pool.free_blocks(reversed(request.blocks))
         request.blocks = []
         request.num_registered_blocks = 0

@@ -8,7 +8,11 @@ as is left (chunked prefill). Then waiting requests are admitted, each first loo
 prompt's prefix in the cache, while the budget, `max_num_seqs` and free KV blocks allow.
 When a running request cannot get a block, the newest running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later (its
-full blocks usually survive in the prefix cache, so recomputation is often a cache hit)."""
+full blocks usually survive in the prefix cache, so recomputation is often a cache hit).
+With a KV tier, a preemption either swaps (the freed full blocks go to the tier when the
+pool evicts them, and come back from it on resume) or recomputes (they are dropped), by the
+measured cost of each (`KVCacheManager.swap_pays`). Before admission, a request's prefix
+blocks in a tier are read back into the pool (`load_from_tier`)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
+    num_preemptions_swapped: int = 0  # of which kept their KV for the tiers
 
 
 class Scheduler:
@@ -174,7 +179,11 @@ class Scheduler:
         return request
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        # Swap (keep its blocks for the tiers) or recompute, by measured cost.
+        swap = self.kv_cache.swap_pays(request)
+        if swap:
+            self.stats.num_preemptions_swapped += 1
+        self.kv_cache.free(request, keep=swap)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -47,6 +47,12 @@ PREFIX_QUERIES = Counter(
 PREFIX_HITS = Counter(
     "pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", LABELS
 )
+PREEMPTIONS = Counter(
+    "pdserve_num_preemptions",
+    "Running requests preempted for KV blocks, by mode: swap (their blocks kept for the KV "
+    "tiers) or recompute",
+    (*LABELS, "mode"),
+)
 TRANSFER_LABELS = (*LABELS, "transport", "direction")
 KV_TRANSFER_BYTES = Counter(
     "pdserve_kv_transfer_bytes", "KV bytes moved between workers", TRANSFER_LABELS
@@ -209,6 +215,8 @@ class WorkerMetrics:
         self._prefix_queries = PREFIX_QUERIES.labels(**labels)
         self._prefix_hits = PREFIX_HITS.labels(**labels)
         self._seen_queries = self._seen_hits = 0
+        self._preempted = {m: PREEMPTIONS.labels(**labels, mode=m) for m in ("swap", "recompute")}
+        self._seen_preemptions = {"swap": 0, "recompute": 0}
         self.sync_prefix_cache()
         if engine.runner.expert_counter is not None:
             REGISTRY.register(MoeRoutingCollector(engine.runner, labels))
@@ -219,12 +227,17 @@ class WorkerMetrics:
         REFUSED.labels(**self.labels, reason=reason).inc()
 
     def sync_prefix_cache(self) -> None:
-        """Add what the prefix cache counted since the last call (the engine thread calls
-        this between steps, so the counters trail the engine by at most one step)."""
+        """Add what the prefix cache and preemptions counted since the last call (the engine
+        thread calls this between steps, so the counters trail the engine by at most one
+        step)."""
         queries, hits = self._stats.prefix_cache_queries, self._stats.prefix_cache_hits
         self._prefix_queries.inc(queries - self._seen_queries)
         self._prefix_hits.inc(hits - self._seen_hits)
         self._seen_queries, self._seen_hits = queries, hits
+        swapped = self._stats.num_preemptions_swapped
+        for mode, n in (("swap", swapped), ("recompute", self._stats.num_preemptions - swapped)):
+            self._preempted[mode].inc(n - self._seen_preemptions[mode])
+            self._seen_preemptions[mode] = n
 
     def request_done(self, request: Request) -> None:
         """A request's phases on this worker, once it is done here."""

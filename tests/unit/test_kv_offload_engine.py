@@ -82,3 +82,56 @@ def test_corrupt_blocks_on_disk_are_recomputed(tiny_model_dir, tmp_path):
     assert tier is not None and tier.stats.corrupt > 0
     assert tiered.kv_cache.num_free_blocks == tiered.runner.num_blocks
     tiered.close()
+
+
+LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+# Three 40-token prompts generating 40 tokens each (5 blocks apiece at the end) in a pool of
+# 8 blocks: running together, they must preempt one another.
+CROWD = [list(range(3000 + 100 * i, 3040 + 100 * i)) for i in range(3)]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_swaps_or_recomputes_with_the_same_ids(tiny_model_dir, tmp_path, mode):
+    expected = [
+        o.token_ids
+        for o in _engine(tiny_model_dir, "float32", kv_cache_tokens=4096).generate(CROWD, LONG)
+    ]
+    engine = _engine(
+        tiny_model_dir, "float32", kv_cache_tokens=128, max_num_seqs=3,
+        kv_offload_dir=str(tmp_path),
+    )  # fmt: skip
+    kv = engine.kv_cache
+    if mode == "recompute":
+        kv.swap_pays = lambda request: False  # type: ignore[method-assign]
+    assert [o.token_ids for o in engine.generate(CROWD, LONG)] == expected
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert kv.tier is not None and kv.tier.flush()
+    if mode == "swap":
+        assert stats.num_preemptions_swapped == stats.num_preemptions
+        assert kv.tier.stats.stores > 0 and kv.tier_hit_tokens > 0  # came back from the tier
+    else:
+        assert stats.num_preemptions_swapped == 0
+        # The preempted blocks were dropped, not spilled: nothing comes back from the tier
+        # (the prompts share nothing, so finished requests' spilled blocks are never read).
+        assert kv.tier_hit_tokens == 0
+    assert kv.num_free_blocks == engine.runner.num_blocks
+    engine.close()
+
+
+def test_swap_pays_by_measured_cost(tiny_model_dir, tmp_path):
+    engine = _engine(tiny_model_dir, "float32", kv_cache_tokens=128, kv_offload_dir=str(tmp_path))
+    kv = engine.kv_cache
+    assert kv.tier is not None
+    request = engine.add_request(CROWD[0], LONG)
+    request.num_computed_tokens = 64  # 4 blocks
+    kv.prefill_seconds_per_token = None
+    assert kv.swap_pays(request)  # nothing measured yet: keep the KV
+    kv.tier.stats.stores, kv.tier.stats.store_seconds = 10, 10 * 0.001  # 1 ms a block
+    kv.tier.stats.loads, kv.tier.stats.load_seconds = 10, 10 * 0.001
+    kv.prefill_seconds_per_token = 0.001  # 64 ms to recompute vs 8 ms to swap
+    assert kv.swap_pays(request)
+    kv.prefill_seconds_per_token = 0.0001  # 6.4 ms to recompute vs 8 ms to swap
+    assert not kv.swap_pays(request)
+    engine.abort_request(request.request_id)
+    engine.close()
