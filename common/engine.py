@@ -316,10 +316,9 @@ class LLMEngine:
             new = per_token if old is None else 0.8 * old + 0.2 * per_token
             self.prefill_seconds_per_token = self.kv_cache.prefill_seconds_per_token = new
 
-    def offload_cost(self) -> float:
-        """Reading a block back from the tier over computing it, both measured here (0 while
-        either is unknown)."""
-        tier = self.kv_cache.tier
+    def tier_cost(self, tier: DiskTier | HostTier | None) -> float:
+        """Bringing a block back from `tier` over computing it, both measured here (0 while
+        either is unknown, or without the tier)."""
         load = tier.seconds_per_load() if tier is not None else None
         compute = self.prefill_seconds_per_token
         if load is None or not compute:

@@ -156,9 +156,11 @@ class KVCacheManager:
         # this tier hands out its blocks (a host tier's are views of slots it may reuse).
         blocks = self.pool.get_new_blocks(n)
         kvs = tier.take_ready(spans)
+        copy_start = time.perf_counter()
         for (block_hash, tokens), kv, block in zip(spans, kvs, blocks, strict=False):
             self._kv[block.block_id].copy_(kv)
             self.pool.cache_block(block, block_hash, tokens)
+        tier.stats.load_seconds += time.perf_counter() - copy_start  # part of bringing it back
         self.tier_hit_tokens += len(kvs) * bs
         self.pool.free_blocks(reversed(blocks))
         return len(kvs)

@@ -15,8 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
+
+if TYPE_CHECKING:
+    from pdserve.common.kv_host_tier import HostTier
+    from pdserve.common.kv_offload import DiskTier
 
 from pdserve.services.worker import Worker
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -99,13 +104,15 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             fresh = set(self._fresh)
             self._fresh.clear()
             collected = await loop.call(lambda f=bool(fresh): self._collect(f))
-            (events, index), (tier_events, tier_index), load = collected
+            (events, index), (tier_events, tier_index), (host_events, host_index), load = collected
             if not self._watchers:
                 continue
             stored = [h for added, h in events if added]
             evicted = [h for added, h in events if not added]
             tier_stored = [h for added, h in tier_events if added]
             tier_evicted = [h for added, h in tier_events if not added]
+            host_stored = [h for added, h in host_events if added]
+            host_evicted = [h for added, h in host_events if not added]
             for key, queue in self._watchers.items():
                 report = worker_pb2.WatchResponse(
                     worker_id=self.worker.worker_id,
@@ -121,11 +128,14 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                     report.reset = True
                     report.stored.extend(index or ())
                     report.offload_stored.extend(tier_index or ())
+                    report.host_stored.extend(host_index or ())
                 else:
                     report.stored.extend(stored)
                     report.evicted.extend(evicted)
                     report.offload_stored.extend(tier_stored)
                     report.offload_evicted.extend(tier_evicted)
+                    report.host_stored.extend(host_stored)
+                    report.host_evicted.extend(host_evicted)
                 if queue.full():  # a watcher not reading: drop its backlog, resync it
                     while not queue.empty():
                         queue.get_nowait()
@@ -135,25 +145,27 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 else:
                     queue.put_nowait(report)
 
-    def _collect(self, with_index: bool) -> tuple[Changes, Changes, dict]:
-        """On the engine thread: the pool's and the tier's changes (and whole indexes if
-        asked), the load."""
+    def _collect(self, with_index: bool) -> tuple[Changes, Changes, Changes, dict]:
+        """On the engine thread: the pool's, the disk tier's and the host tier's changes (and
+        whole indexes if asked), the load."""
         engine = self.worker.loop.engine
+        kv = engine.kv_cache
         load = {
             "num_running": len(engine.scheduler.running),
             "num_waiting": len(engine.scheduler.waiting) + self.worker.metrics.extra_waiting,
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
-            "offload_cost": engine.offload_cost(),
+            "offload_cost": engine.tier_cost(kv.tier),
+            "host_cost": engine.tier_cost(kv.host_tier),
         }
         pool = self.pool.drain_events(), list(self.pool.cached) if with_index else None
-        # The worker's own tiers (host memory, disk) as one: a hash leaving one of them is
-        # reported gone only when the other does not hold it either.
-        tiers = [t for t in (engine.kv_cache.host_tier, engine.kv_cache.tier) if t is not None]
-        events = [e for t in tiers for e in t.drain_events()]
-        events = [(held, h) for held, h in events if held or not any(t.holds(h) for t in tiers)]
-        index = list(dict.fromkeys(h for t in tiers for h in t.held_hashes()))
-        return pool, (events, index if with_index else None), load
+        return pool, _changes(kv.tier, with_index), _changes(kv.host_tier, with_index), load
+
+
+def _changes(tier: DiskTier | HostTier | None, with_index: bool) -> Changes:
+    if tier is None:
+        return [], None
+    return tier.drain_events(), tier.held_hashes() if with_index else None
 
 
 def _end(queue: asyncio.Queue[worker_pb2.WatchResponse | None]) -> None:

@@ -66,8 +66,9 @@ class WorkerPool:
         self.role = role
         self.make_stub = make_stub
         self.index = PrefixIndex()
-        self.offload_index = PrefixIndex()  # what the tiers below the workers' pools hold
-        self.router = Router(role, policy, weights, self.index, self.offload_index)
+        self.offload_index = PrefixIndex()  # what the disk tiers below the workers' pools hold
+        self.host_index = PrefixIndex()  # what their host-memory tiers hold
+        self.router = Router(role, policy, weights, self.index, self.offload_index, self.host_index)
         self.kv_events = kv_events
         self.wait_for_worker_s = wait_for_worker_s
         self.block_size = 0  # from the first report; 0: prompts are not hashed yet
@@ -111,8 +112,8 @@ class WorkerPool:
 
     def _retire(self, worker: WorkerEndpoint) -> None:
         self._set_healthy(worker, False)
-        self.index.remove_worker(worker.address)
-        self.offload_index.remove_worker(worker.address)
+        for index in (self.index, self.offload_index, self.host_index):
+            index.remove_worker(worker.address)
         self.router.forget(worker.address)
         with contextlib.suppress(KeyError):
             LOCAL_PREFILLS.remove(self.role, worker.address)
@@ -253,8 +254,8 @@ class WorkerPool:
                 call.cancel()
             self._set_healthy(worker, False)
             if self.kv_events:
-                self.index.remove_worker(worker.address)
-                self.offload_index.remove_worker(worker.address)
+                for index in (self.index, self.offload_index, self.host_index):
+                    index.remove_worker(worker.address)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_S[1])
 
@@ -276,12 +277,14 @@ class WorkerPool:
         if regrouped and worker.group:
             self._check_group(worker.group)
         self.block_size = self.block_size or report.block_size
-        worker.offload_cost = report.offload_cost
-        if self.kv_events and (report.reset or report.stored or report.evicted):
-            self.index.apply(worker.address, report.stored, report.evicted, report.reset)
-        if self.kv_events and (report.reset or report.offload_stored or report.offload_evicted):
-            self.offload_index.apply(
-                worker.address, report.offload_stored, report.offload_evicted, report.reset
-            )
+        worker.offload_cost, worker.host_cost = report.offload_cost, report.host_cost
+        if self.kv_events:
+            for index, stored, evicted in (
+                (self.index, report.stored, report.evicted),
+                (self.offload_index, report.offload_stored, report.offload_evicted),
+                (self.host_index, report.host_stored, report.host_evicted),
+            ):
+                if report.reset or stored or evicted:
+                    index.apply(worker.address, stored, evicted, report.reset)
         if worker.routable != was:
             self._changed.set()

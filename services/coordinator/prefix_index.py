@@ -93,14 +93,19 @@ class PrefixIndex:
     def has_any(self) -> bool:
         return bool(self._holders)
 
-    def overlaps_with(self, other: PrefixIndex, hashes: Sequence[int]) -> dict[WorkerKey, int]:
-        """As `overlaps`, a block counting as held where either index holds it (a worker's
-        pool and the tier below it)."""
+    def overlaps_with(
+        self, others: Sequence[PrefixIndex], hashes: Sequence[int]
+    ) -> dict[WorkerKey, int]:
+        """As `overlaps`, a block counting as held where this index or any of `others`
+        holds it (a worker's pool and the tiers below it)."""
         if not hashes:
             return {}
 
         def holders(h: int) -> set[WorkerKey]:
-            return set(self._holders.get(h, ())) | other._holders.get(h, set())
+            held = set(self._holders.get(h, ()))
+            for other in others:
+                held |= other._holders.get(h, set())
+            return held
 
         active = holders(hashes[0])
         out: dict[WorkerKey, int] = {}
@@ -114,3 +119,6 @@ class PrefixIndex:
         for worker in active:
             out[worker] = len(hashes)
         return out
+
+    def holds(self, worker: WorkerKey, block_hash: int) -> bool:
+        return block_hash in self._held.get(worker, ())

@@ -5,9 +5,10 @@ coordinator and in `benchmarks/route_sim.py`. Policies:
 - `prefix_aware` (the default): a prefill worker's cost is the prompt blocks it would have
   to compute (those its prefix cache does not hold, from `PrefixIndex`) times
   `prefix_weight`, plus its queue (requests running or waiting there) times `load_weight`;
-  the cheapest wins, ties going round-robin. A block in the worker's tier below the pool
-  (`--kv-offload-dir`) costs the fraction of a computed block the worker measured for
-  reading one back (`offload_cost`; `DEFAULT_OFFLOAD_COST` until it has read one). A decode
+  the cheapest wins, ties going round-robin. A block in one of the worker's tiers below
+  the pool (host memory, disk) costs the fraction of a computed block the worker measured
+  for bringing one back from that tier (`host_cost`, `offload_cost`; `DEFAULT_OFFLOAD_COST`
+  until it has). A decode
   worker is picked by load alone: fewest sequences running or waiting, among those with
   room for the request's blocks.
 - `least_loaded`: the fewest requests in flight or queued, round-robin among ties.
@@ -62,7 +63,8 @@ class WorkerState:
     num_waiting: int = 0  # reported
     free_blocks: int = 0  # reported (0 while unknown)
     total_blocks: int = 0
-    offload_cost: float = 0.0  # reported: a tier block's read over its compute (0: unknown)
+    offload_cost: float = 0.0  # reported: a disk-tier block's load over its compute (0: unknown)
+    host_cost: float = 0.0  # reported: the same for its host-memory tier
     # Expert parallelism: the ranks of one group are endpoints of their own, but routable
     # only while every rank of the group is (`group_whole`, kept by the pool).
     group: str = ""
@@ -105,6 +107,7 @@ class Router:
         weights: RouterWeights | None = None,
         index: PrefixIndex | None = None,
         offload_index: PrefixIndex | None = None,
+        host_index: PrefixIndex | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -112,7 +115,8 @@ class Router:
         self.policy = policy
         self.weights = weights or RouterWeights()
         self.index = index
-        self.offload_index = offload_index  # the tiers below the workers' pools
+        self.offload_index = offload_index  # the disk tiers below the workers' pools
+        self.host_index = host_index  # their host-memory tiers
         self._turn = itertools.count()
 
     def pick(
@@ -170,8 +174,8 @@ class Router:
         if self.index is None or not hashes:
             return best
         in_pool = self.index.overlaps(hashes)
-        tiers = self.offload_index
-        reach = tiers.overlaps_with(self.index, hashes) if tiers and tiers.has_any() else in_pool
+        tiers = [t for t in (self.host_index, self.offload_index) if t is not None and t.has_any()]
+        reach = self.index.overlaps_with(tiers, hashes) if tiers else in_pool
         if not reach:
             return best
         best_cost = w_prefix * len(hashes) + w_load * best.queue
@@ -180,10 +184,28 @@ class Router:
             worker = by_address.get(address)
             if worker is None:
                 continue
-            pooled = in_pool.get(address, 0)
-            tier_cost = worker.offload_cost or DEFAULT_OFFLOAD_COST
-            blocks = len(hashes) - overlap + tier_cost * (overlap - pooled)
+            blocks = len(hashes) - overlap + self._tier_blocks(worker, hashes, in_pool, overlap)
             cost = w_prefix * blocks + w_load * worker.queue
             if cost < best_cost:
                 best, best_cost = worker, cost
         return best
+
+    def _tier_blocks(
+        self, worker: WorkerState, hashes: Sequence[int], in_pool: dict, overlap: int
+    ) -> float:
+        """What the blocks of the reach past the worker's pool run cost, in computed blocks:
+        0 for one its pool holds after all, its host tier's cost, else its disk tier's."""
+        pooled = in_pool.get(worker.address, 0)
+        if overlap <= pooled:
+            return 0.0
+        host_cost = worker.host_cost or DEFAULT_OFFLOAD_COST
+        disk_cost = worker.offload_cost or DEFAULT_OFFLOAD_COST
+        total = 0.0
+        for h in hashes[pooled:overlap]:
+            if self.index is not None and self.index.holds(worker.address, h):
+                continue
+            if self.host_index is not None and self.host_index.holds(worker.address, h):
+                total += host_cost
+            else:
+                total += disk_cost
+        return total

@@ -160,7 +160,7 @@ def test_tier_blocks_cost_what_their_worker_measured() -> None:
     pool.apply("a", [1, 2])  # a: 2 blocks in its pool, then 4 in its tier
     tiers.apply("a", [3, 4, 5, 6])
     pool.apply("b", [1, 2, 3, 4])  # b: 4 blocks in its pool
-    assert tiers.overlaps_with(pool, [1, 2, 3, 4, 5, 6, 7]) == {"a": 6, "b": 4}
+    assert pool.overlaps_with([tiers], [1, 2, 3, 4, 5, 6, 7]) == {"a": 6, "b": 4}
     router = Router("prefill", "prefix_aware", RouterWeights(1.0, 8.0), pool, tiers)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     a.offload_cost = 0.1  # a: 2 to compute + 4 x 0.1 = 2.4; b: 4; c: 8
@@ -171,3 +171,20 @@ def test_tier_blocks_cost_what_their_worker_measured() -> None:
     assert router.pick([a, c], prompt) is a
     tiers.remove_worker("a")
     assert router.pick([a, b, c], prompt) is b
+
+
+def test_host_tier_blocks_cost_less_than_disk_ones() -> None:
+    """Each tier at its own measured cost: the worker whose history is in host memory wins
+    over the one whose history is on disk, and a block back in the pool costs nothing."""
+    pool, disk, host = PrefixIndex(), PrefixIndex(), PrefixIndex()
+    a, b = WorkerState("a"), WorkerState("b")
+    a.host_cost = b.host_cost = 0.01
+    a.offload_cost = b.offload_cost = 0.2
+    host.apply("a", [1, 2, 3, 4])  # a: 4 blocks in host memory: 0.04
+    disk.apply("b", [1, 2, 3, 4])  # b: 4 on disk: 0.8
+    router = Router("prefill", "prefix_aware", RouterWeights(1.0, 8.0), pool, disk, host)
+    assert router.pick([b, a], [1, 2, 3, 4, 5]) is a
+    pool.apply("b", [1, 2, 3])  # b: 3 back in its pool, the 4th on disk: 0.2 > a's 0.04
+    assert router.pick([b, a], [1, 2, 3, 4, 5]) is a
+    pool.apply("b", [4])  # all 4 in b's pool: 0 < 0.04
+    assert router.pick([a, b], [1, 2, 3, 4, 5]) is b

@@ -36,7 +36,7 @@ def fake_worker() -> SimpleNamespace:
     engine = SimpleNamespace(
         kv_cache=SimpleNamespace(pool=Pool(), block_size=16, tier=None, host_tier=None),
         scheduler=SimpleNamespace(running=[], waiting=[]),
-        offload_cost=lambda: 0.0,
+        tier_cost=lambda tier: 0.0,
     )
     loop = Loop()
     loop.engine = engine  # type: ignore[attr-defined]
