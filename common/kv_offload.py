@@ -207,8 +207,8 @@ class DiskTier:
                 self._lock.wait(left)
 
     def take(self, block_hash: int, token_ids: Sequence[int]) -> torch.Tensor | object | None:
-        """The block's KV if this tier holds it with these tokens (a tensor the caller
-        owns), `LOADING` while it is being read, else None (a miss). A block on disk that
+        """The block's KV if this tier holds it with these tokens (a tensor to read, not
+        write), `LOADING` while it is being read, else None (a miss). A block on disk that
         was not prefetched is queued for reading and reported `LOADING`."""
         with self._lock:
             return self._take(block_hash, tuple(token_ids))
@@ -232,7 +232,7 @@ class DiskTier:
             if pending[0] != tokens:
                 return None
             self.stats.hits += 1
-            return pending[1].clone()
+            return pending[1]  # never written after `store` made it: no copy needed
         if block_hash in self._loaded:
             loaded = self._loaded[block_hash]
             if loaded is None:
