@@ -51,6 +51,11 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 RETRY_AFTER_S = 1
+# An idle keep-alive connection is closed by the client first: a server that closes it at
+# the moment a client reuses it resets that request (clients expire theirs after 5 s, as
+# httpx and Node do, or 15 s as aiohttp does; this is nginx's default).
+HTTP_KEEP_ALIVE_S = 75
+HTTP_BACKLOG = 2048  # connections not yet accepted (uvicorn's default; listen()'s is 128)
 # A request id travels back in a header: printable ASCII only.
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 # Pydantic names a union's branch in an error's location ("prompt.list[int].0"); drop them.
@@ -434,7 +439,7 @@ class HttpServer:
         self, app: FastAPI, host: str, port: int, tls: tuple[str, str] | None = None
     ) -> None:
         """`tls`: (certificate, key) files to serve HTTPS with."""
-        self.socket = socket.create_server((host, port))
+        self.socket = socket.create_server((host, port), backlog=HTTP_BACKLOG)
         self.host = host
         self.port = self.socket.getsockname()[1]
         cert, key = tls or (None, None)
@@ -444,6 +449,7 @@ class HttpServer:
                 log_level="warning",
                 access_log=False,
                 lifespan="off",
+                timeout_keep_alive=HTTP_KEEP_ALIVE_S,
                 ssl_certfile=cert,
                 ssl_keyfile=key,
             )

@@ -125,6 +125,7 @@ def test_ten_times_the_sustainable_load(tmp_path):
         statuses = Counter(status for status, _, _ in results)
         summary = {"sustainable_rps": round(sustainable, 2), "offered": len(results),
                    "statuses": dict(statuses),
+                   "dropped": dict(Counter(ok for status, _, ok in results if status == 0)),
                    "rss_growth_mib": {n: round(peak[n] - start_rss[n]) for n in procs}}  # fmt: skip
         print(json.dumps(summary))
         assert set(statuses) <= {200, 429}, summary
