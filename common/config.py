@@ -50,6 +50,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # A step that carries decodes takes only the prefill tokens that keep it within this
+    # many milliseconds, by measured step costs (0: the token budget alone).
+    tpot_target_ms: float = 50.0
     # None: the model's own limit (max_position_embeddings).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -105,6 +108,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens: must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.tpot_target_ms < 0:
+            raise ValueError(f"tpot_target_ms: must be >= 0, got {self.tpot_target_ms}")
         if self.expert_parallel < 1:
             raise ValueError(f"expert_parallel: must be at least 1, got {self.expert_parallel}")
         if self.redundant_experts < 0:

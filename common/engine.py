@@ -32,6 +32,7 @@ from pdserve.common.request import Request, RequestStatus, Resume
 from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.scheduler import Scheduler
+from pdserve.common.step_cost import StepCostModel, attention_pairs
 from pdserve.common.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,11 @@ class LLMEngine:
                 "kv_shared_dir", config.kv_shared_dir, config.kv_shared_gb, shared=True
             )
             self.kv_cache.attach_shared_tier(shared, self.runner.kv_cache)
+        self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens
-        )
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+            self.step_cost, config.tpot_target_ms / 1000,
+        )  # fmt: skip
         self.eos_token_ids = self._eos_token_ids()
         self._ids = itertools.count()
         self.last_batch_size = 0  # requests in the last step (0: nothing could be scheduled)
@@ -287,10 +290,15 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         self.last_batch_size = len(batch.requests)
         if not batch.requests:
             return []
+        attention = sum(
+            attention_pairs(r.num_computed_tokens, n)
+            for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+        )
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         self._time_prefill(batch.num_tokens - batch.num_decodes, time.perf_counter() - start)
@@ -305,6 +313,10 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
+        prefill = batch.num_tokens - batch.num_decodes
+        self.step_cost.record(
+            batch.num_decodes, prefill, attention, time.perf_counter() - step_start
+        )
         return outputs
 
     def _time_prefill(self, prefill_tokens: int, seconds: float) -> None:

@@ -12,7 +12,10 @@ full blocks usually survive in the prefix cache, so recomputation is often a cac
 With a KV tier, a preemption either swaps (the freed full blocks go to the tier when the
 pool evicts them, and come back from it on resume) or recomputes (they are dropped), by the
 measured cost of each (`KVCacheManager.swap_pays`). Before admission, a request's prefix
-blocks in a tier are read back into the pool (`load_from_tier`)."""
+blocks in a tier are read back into the pool (`load_from_tier`).
+
+With a TPOT target, a step that carries decodes takes only the prefill tokens its measured
+cost allows (`StepPlan`): prompt chunks shrink while streams run and grow when none do."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.request import Request, RequestStatus
+from pdserve.common.step_cost import StepCostModel, StepPlan, attention_pairs
 
 
 @dataclass
@@ -57,8 +61,14 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        step_cost: StepCostModel | None = None,
+        tpot_target_s: float = 0.0,
     ) -> None:
+        """`step_cost` (learned by the engine) and `tpot_target_s` (0: none) size the
+        prefill chunks of steps that carry decodes."""
         self.kv_cache = kv_cache
+        self.step_cost = step_cost or StepCostModel()
+        self.tpot_target_s = tpot_target_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -86,11 +96,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        plan = self._plan()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:  # a prompt chunk: as much as the step's time allows
+                num_new = plan.prefill_tokens(request.num_computed_tokens, num_new)
+                if num_new == 0:
+                    i += 1
+                    continue
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -116,6 +132,10 @@ class Scheduler:
             cached = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
+            if num_new > 1:
+                num_new = plan.prefill_tokens(num_cached, num_new)
+                if num_new == 0:
+                    break
             if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
@@ -139,6 +159,14 @@ class Scheduler:
             num_decodes=len(decodes),
             preempted=preempted,
         )
+
+    def _plan(self) -> StepPlan:
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        attention = sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes)
+        return StepPlan(
+            self.step_cost, self.tpot_target_s, len(decodes), attention,
+            min_chunk=self.kv_cache.block_size,
+        )  # fmt: skip
 
     def on_step_computed(self, batch: ScheduledBatch) -> None:
         """The batch's KV is written: advance each request and register its full blocks."""

@@ -74,6 +74,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--tpot-target-ms",
+        type=float,
+        default=float(env("tpot_target_ms", "50")),
+        help="while streams decode, a step takes only the prompt tokens that keep it within "
+        "this time per output token, by measured step costs; 0: the token budget alone "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--max-model-len",
         type=int,
         default=int_env("max_model_len"),
@@ -173,6 +181,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tpot_target_ms=args.tpot_target_ms,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_offload_dir=args.kv_offload_dir,
@@ -222,6 +231,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--kv-cache-tokens", args.kv_cache_tokens),
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--tpot-target-ms", args.tpot_target_ms),
         ("--max-model-len", args.max_model_len),
         ("--kv-offload-dir", args.kv_offload_dir),
         ("--kv-offload-gb", args.kv_offload_gb if args.kv_offload_dir else None),

@@ -1,0 +1,109 @@
+"""What an engine step costs, learned from the steps the engine ran, and the prefill chunk
+that keeps a step with running decodes inside the TPOT target.
+
+A stream's time per output token is the time of the steps it is in; a prefill chunk in the
+same step lengthens it. Sarathi-Serve bounds that with a fixed token budget profiled ahead
+of time; here the budget comes from a model of the step's time fitted to the steps just
+run (least squares over a window, every coefficient kept non-negative):
+
+    seconds = base + per_decode × decodes + per_prefill_token × prefill tokens
+                   + per_attention × (query tokens × keys they attend to) / 1e6
+
+`StepPlan` spends a step's time: the decodes first, then each prefill chunk gets the tokens
+that still fit (at least `min_chunk` for the step's first chunk, so prefill always moves,
+even under a target the decodes alone exceed)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+ATTENTION_UNIT = 1e6  # query-key pairs per unit of the attention feature
+
+
+def attention_pairs(start: int, num_tokens: int) -> float:
+    """Query-key pairs of `num_tokens` queries at positions start.. (causal), in units."""
+    return num_tokens * (start + (num_tokens + 1) / 2) / ATTENTION_UNIT
+
+
+class StepCostModel:
+    """A linear model of a step's seconds, refitted every `refit_every` recorded steps over
+    the last `window` of them; it predicts nothing until `min_samples` steps with prefill
+    tokens and `min_samples` without were seen."""
+
+    def __init__(self, window: int = 256, min_samples: int = 8, refit_every: int = 8) -> None:
+        self.samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.refit_every = refit_every
+        self.coefficients: np.ndarray | None = None  # base, decode, prefill token, attention
+        self._since_fit = 0
+
+    def record(self, decodes: int, prefill_tokens: int, attention: float, seconds: float) -> None:
+        self.samples.append((1.0, float(decodes), float(prefill_tokens), attention, seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or self.coefficients is None:
+            self._since_fit = 0
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.array(self.samples)
+        with_prefill = int((data[:, 2] > 0).sum())
+        if with_prefill < self.min_samples or len(data) - with_prefill < self.min_samples:
+            return
+        x, y = data[:, :4], data[:, 4]
+        active = list(range(4))
+        coefficients = np.zeros(4)
+        while active:  # drop a feature whose best weight is negative, fit the rest again
+            solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+            if (solution >= 0).all():
+                coefficients[active] = solution
+                break
+            active.pop(int(np.argmin(solution)))
+        # A step with prefill must cost something per token, or no chunk would ever be cut.
+        if coefficients[2] > 0:
+            self.coefficients = coefficients
+
+    def predict(self, decodes: int, prefill_tokens: int, attention: float) -> float | None:
+        if self.coefficients is None:
+            return None
+        return float(self.coefficients @ np.array([1.0, decodes, prefill_tokens, attention]))
+
+
+class StepPlan:
+    """One step's time under `target_s`: decodes reserved first, then prefill chunks."""
+
+    def __init__(
+        self, model: StepCostModel, target_s: float, decodes: int, decode_attention: float,
+        min_chunk: int,
+    ) -> None:  # fmt: skip
+        self.coefficients = model.coefficients
+        self.min_chunk = min_chunk
+        self.chunks = 0
+        self.room_s = math.inf
+        if self.coefficients is not None and target_s > 0 and decodes > 0:
+            used = model.predict(decodes, 0, decode_attention)
+            assert used is not None
+            self.room_s = target_s - used
+
+    def prefill_tokens(self, start: int, wanted: int) -> int:
+        """How many of `wanted` prompt tokens from position `start` this step takes; the
+        caller schedules exactly that many (0: none fit)."""
+        if wanted <= 0 or self.room_s == math.inf:
+            return wanted
+        assert self.coefficients is not None
+        per_token, per_attention = self.coefficients[2], self.coefficients[3] / ATTENTION_UNIT
+        # Largest n with per_token·n + per_attention·n·(start + (n+1)/2) <= room.
+        a = per_attention / 2
+        b = per_token + per_attention * (start + 0.5)
+        room = max(self.room_s, 0.0)
+        n = room / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+        fit = min(wanted, int(n))
+        if self.chunks == 0:
+            fit = max(fit, min(wanted, self.min_chunk))
+        if fit <= 0:
+            return 0
+        self.chunks += 1
+        self.room_s -= per_token * fit + per_attention * fit * (start + (fit + 1) / 2)
+        return fit
