@@ -165,7 +165,7 @@ class Scheduler:
         attention = sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes)
         return StepPlan(
             self.step_cost, self.tpot_target_s, len(decodes), attention,
-            min_chunk=self.kv_cache.block_size,
+            min_chunk=self.kv_cache.block_size, warmup_chunk=8 * self.kv_cache.block_size,
         )  # fmt: skip
 
     def on_step_computed(self, batch: ScheduledBatch) -> None:

@@ -11,7 +11,9 @@ run (least squares over a window, every coefficient kept non-negative):
 
 `StepPlan` spends a step's time: the decodes first, then each prefill chunk gets the tokens
 that still fit (at least `min_chunk` for the step's first chunk, so prefill always moves,
-even under a target the decodes alone exceed)."""
+even under a target the decodes alone exceed). Until the model is fitted, a step with
+decodes takes `warmup_chunk` prompt tokens in all: a fixed budget, as Sarathi's, whose
+steps are the samples the fit needs."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class StepCostModel:
     the last `window` of them; it predicts nothing until `min_samples` steps with prefill
     tokens and `min_samples` without were seen."""
 
-    def __init__(self, window: int = 256, min_samples: int = 8, refit_every: int = 8) -> None:
+    def __init__(self, window: int = 256, min_samples: int = 4, refit_every: int = 8) -> None:
         self.samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
         self.min_samples = min_samples
         self.refit_every = refit_every
@@ -76,20 +78,27 @@ class StepPlan:
 
     def __init__(
         self, model: StepCostModel, target_s: float, decodes: int, decode_attention: float,
-        min_chunk: int,
+        min_chunk: int, warmup_chunk: int,
     ) -> None:  # fmt: skip
         self.coefficients = model.coefficients
         self.min_chunk = min_chunk
         self.chunks = 0
         self.room_s = math.inf
-        if self.coefficients is not None and target_s > 0 and decodes > 0:
+        self.warmup_left: int | None = None  # prompt tokens left while unmeasured
+        if target_s > 0 and decodes > 0:
             used = model.predict(decodes, 0, decode_attention)
-            assert used is not None
-            self.room_s = target_s - used
+            if used is None:
+                self.warmup_left = warmup_chunk
+            else:
+                self.room_s = target_s - used
 
     def prefill_tokens(self, start: int, wanted: int) -> int:
         """How many of `wanted` prompt tokens from position `start` this step takes; the
         caller schedules exactly that many (0: none fit)."""
+        if self.warmup_left is not None:
+            fit = min(wanted, self.warmup_left)
+            self.warmup_left -= fit
+            return fit
         if wanted <= 0 or self.room_s == math.inf:
             return wanted
         assert self.coefficients is not None

@@ -15,6 +15,7 @@ from pdserve.common.step_cost import StepCostModel, StepPlan, attention_pairs
 
 BASE, PER_DECODE, PER_TOKEN, PER_ATTENTION = 0.010, 0.002, 0.0003, 0.004
 TARGET = 0.050
+CHUNKS = {"min_chunk": 16, "warmup_chunk": 128}
 
 
 def true_cost(decodes: int, prefill: int, attention: float) -> float:
@@ -45,8 +46,13 @@ def test_nothing_is_predicted_before_both_kinds_of_step_were_seen():
     for _ in range(20):
         model.record(4, 0, 0.01, 0.02)  # decodes only: the prefill cost is unknown
     assert model.predict(4, 100, 0.0) is None
-    plan = StepPlan(model, TARGET, 4, 0.01, min_chunk=16)
-    assert plan.prefill_tokens(0, 500) == 500  # unmeasured: the token budget alone
+    plan = StepPlan(model, TARGET, 4, 0.01, **CHUNKS)
+    # Unmeasured: a fixed budget of prompt tokens per step, shared by its chunks.
+    assert plan.prefill_tokens(0, 100) == 100
+    assert plan.prefill_tokens(0, 500) == 28
+    assert plan.prefill_tokens(0, 500) == 0
+    without_decodes = StepPlan(model, TARGET, 0, 0.0, **CHUNKS)
+    assert without_decodes.prefill_tokens(0, 500) == 500
 
 
 def test_a_negative_weight_is_dropped_not_kept():
@@ -63,7 +69,7 @@ def test_a_chunk_is_the_most_tokens_within_the_target(start):
     model = fitted()
     decodes = 6
     decode_attention = sum(attention_pairs(500 + 40 * i, 1) for i in range(decodes))
-    plan = StepPlan(model, TARGET, decodes, decode_attention, min_chunk=16)
+    plan = StepPlan(model, TARGET, decodes, decode_attention, **CHUNKS)
     n = plan.prefill_tokens(start, 5000)
     assert 16 < n < 5000
 
@@ -75,7 +81,7 @@ def test_a_chunk_is_the_most_tokens_within_the_target(start):
 
 def test_later_chunks_share_what_is_left():
     model = fitted()
-    plan = StepPlan(model, TARGET, 2, 0.0, min_chunk=16)
+    plan = StepPlan(model, TARGET, 2, 0.0, **CHUNKS)
     first = plan.prefill_tokens(0, 40)  # a short prompt, all of it
     second = plan.prefill_tokens(0, 5000)
     assert first == 40
@@ -86,15 +92,15 @@ def test_later_chunks_share_what_is_left():
 
 def test_prefill_moves_even_when_decodes_alone_miss_the_target():
     model = fitted()
-    plan = StepPlan(model, TARGET, 40, 0.0, min_chunk=16)  # 40 decodes: 90 ms alone
+    plan = StepPlan(model, TARGET, 40, 0.0, **CHUNKS)  # 40 decodes: 90 ms alone
     assert plan.prefill_tokens(0, 5000) == 16
     assert plan.prefill_tokens(0, 5000) == 0
 
 
 def test_no_limit_without_decodes_or_without_a_target():
     model = fitted()
-    assert StepPlan(model, TARGET, 0, 0.0, min_chunk=16).prefill_tokens(0, 2048) == 2048
-    assert StepPlan(model, 0.0, 8, 0.0, min_chunk=16).prefill_tokens(0, 2048) == 2048
+    assert StepPlan(model, TARGET, 0, 0.0, **CHUNKS).prefill_tokens(0, 2048) == 2048
+    assert StepPlan(model, 0.0, 8, 0.0, **CHUNKS).prefill_tokens(0, 2048) == 2048
 
 
 def _request(rid: str, n: int, max_tokens: int) -> Request:
