@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from typing import Any
 
+from loadgen import percentiles
 from machine import cpu_name
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.sampling_params import SamplingParams
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(target_ms: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -63,16 +58,8 @@ def run(target_ms: float, args: argparse.Namespace) -> dict[str, Any]:
     ms = [s * 1000 for s in step_s[args.every :]]  # after the cost model's warm-up
     return {
         "tpot_target_ms": target_ms,
-        "decode_step_ms": {
-            "p50": round(statistics.median(ms), 1),
-            "p99": round(percentile(ms, 0.99), 1),
-            "max": round(max(ms), 1),
-        },
-        "prompt_ttft_s": {
-            "p50": round(statistics.median(ttft), 3) if ttft else None,
-            "max": round(max(ttft), 3) if ttft else None,
-            "count": len(ttft),
-        },
+        "decode_step_ms": {**percentiles(ms), "max": round(max(ms), 1)},
+        "prompt_ttft_s": {**percentiles(ttft), "count": len(ttft)},
     }
 
 

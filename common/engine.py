@@ -299,9 +299,10 @@ class LLMEngine:
             attention_pairs(r.num_computed_tokens, n)
             for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
         )
+        prefill = batch.num_tokens - batch.num_decodes
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
-        self._time_prefill(batch.num_tokens - batch.num_decodes, time.perf_counter() - start)
+        self._time_prefill(prefill, time.perf_counter() - start)
         self.scheduler.on_step_computed(batch)
         outputs = []
         now = time.monotonic()
@@ -313,7 +314,6 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
-        prefill = batch.num_tokens - batch.num_decodes
         self.step_cost.record(
             batch.num_decodes, prefill, attention, time.perf_counter() - step_start
         )

@@ -161,7 +161,9 @@ class Scheduler:
         )
 
     def _plan(self) -> StepPlan:
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [] if not self.tpot_target_s else [
+            r for r in self.running if r.num_tokens - r.num_computed_tokens == 1
+        ]  # fmt: skip
         attention = sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes)
         return StepPlan(
             self.step_cost, self.tpot_target_s, len(decodes), attention,

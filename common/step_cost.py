@@ -45,7 +45,7 @@ class StepCostModel:
     def record(self, decodes: int, prefill_tokens: int, attention: float, seconds: float) -> None:
         self.samples.append((1.0, float(decodes), float(prefill_tokens), attention, seconds))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or self.coefficients is None:
+        if self._since_fit >= self.refit_every:
             self._since_fit = 0
             self._fit()
 
@@ -82,7 +82,7 @@ class StepPlan:
     ) -> None:  # fmt: skip
         self.coefficients = model.coefficients
         self.min_chunk = min_chunk
-        self.chunks = 0
+        self.first_chunk = True
         self.room_s = math.inf
         self.warmup_left: int | None = None  # prompt tokens left while unmeasured
         if target_s > 0 and decodes > 0:
@@ -99,7 +99,7 @@ class StepPlan:
             fit = min(wanted, self.warmup_left)
             self.warmup_left -= fit
             return fit
-        if wanted <= 0 or self.room_s == math.inf:
+        if self.room_s == math.inf:
             return wanted
         assert self.coefficients is not None
         per_token, per_attention = self.coefficients[2], self.coefficients[3] / ATTENTION_UNIT
@@ -109,10 +109,10 @@ class StepPlan:
         room = max(self.room_s, 0.0)
         n = room / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
         fit = min(wanted, int(n))
-        if self.chunks == 0:
+        if self.first_chunk:
             fit = max(fit, min(wanted, self.min_chunk))
         if fit <= 0:
             return 0
-        self.chunks += 1
+        self.first_chunk = False
         self.room_s -= per_token * fit + per_attention * fit * (start + (fit + 1) / 2)
         return fit
