@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.kv_host_tier import HostTier
 from pdserve.common.kv_offload import DiskTier
@@ -137,15 +137,32 @@ class LLMEngine:
         request_id: str | None = None,
         prefill_only: bool = False,
         resume: Resume | None = None,
+        ttft_target_s: float = 0.0,
     ) -> Request:
         """Validate, tokenize and queue one request. Raises `InvalidRequestError`. A
         `prefill_only` request stops after its first token and keeps its KV blocks (status
         PREFILLED); the caller hands them off and then calls `free_request`. `resume`: the
-        prompt ends with output of this request from an earlier, lost leg."""
+        prompt ends with output of this request from an earlier, lost leg. `ttft_target_s`
+        (serving; 0: none): raises `WorkerBusyError` when the prompt's first token is
+        predicted later than that, so a saturated worker refuses early instead of letting
+        every request miss (a resumed leg is never refused: its stream is already open)."""
         request = self._new_request(prompt, params, request_id, resume)
         request.prefill_only = prefill_only
+        if ttft_target_s > 0 and resume is None:
+            self._admit(request, ttft_target_s)
         self.scheduler.add_request(request)
         return request
+
+    def _admit(self, request: Request, ttft_target_s: float) -> None:
+        wait = self.scheduler.prefill_wait_s(request)
+        if wait is not None and wait > ttft_target_s:
+            raise WorkerBusyError(
+                f"this worker's first token for a {request.num_tokens}-token prompt is "
+                f"predicted in {wait:.2f} s, past its TTFT target (--ttft-target-ms "
+                f"{ttft_target_s * 1000:g}); retry later or elsewhere",
+                reason="ttft_target",
+                retry_after_s=wait - ttft_target_s,
+            )
 
     def _new_request(
         self,

@@ -21,4 +21,11 @@ class ModelLoadError(PdserveError):
 
 
 class WorkerBusyError(PdserveError):
-    """A worker's waiting queue is full (`--max-pending`): retry later or elsewhere."""
+    """A worker cannot take the request now: its waiting queue is full (`--max-pending`,
+    `reason` "max_pending"), or the prompt's first token would come later than the TTFT
+    target (`--ttft-target-ms`, "ttft_target"). Retry after `retry_after_s`, or elsewhere."""
+
+    def __init__(self, message: str, reason: str = "max_pending", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s

@@ -170,6 +170,27 @@ class Scheduler:
             min_chunk=self.kv_cache.block_size, warmup_chunk=8 * self.kv_cache.block_size,
         )  # fmt: skip
 
+    def prefill_wait_s(self, request: Request) -> float | None:
+        """Predicted seconds until `request`, queued now, has its first token: the prompts
+        still to prefill ahead of it (running chunks, then the waiting queue, each after its
+        cached prefix) and its own, beside the streams decoding now (None while the step
+        costs are unmeasured)."""
+        prompts: list[tuple[int, int]] = []
+        decodes: list[Request] = []
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decodes.append(r)
+            else:
+                prompts.append((r.num_computed_tokens, left))
+        for r in (*self.waiting, request):
+            cached = len(self.kv_cache.find_cached_prefix(r)) * self.kv_cache.block_size
+            prompts.append((cached, r.num_tokens - cached))
+        return self.step_cost.prefill_wait_s(
+            prompts, len(decodes), sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes),
+            self.tpot_target_s, self.kv_cache.block_size, self.max_num_batched_tokens,
+        )  # fmt: skip
+
     def on_step_computed(self, batch: ScheduledBatch) -> None:
         """The batch's KV is written: advance each request and register its full blocks."""
         for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):

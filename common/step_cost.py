@@ -13,7 +13,10 @@ run (least squares over a window, every coefficient kept non-negative):
 that still fit (at least `min_chunk` for the step's first chunk, so prefill always moves,
 even under a target the decodes alone exceed). Until the model is fitted, a step with
 decodes takes `warmup_chunk` prompt tokens in all: a fixed budget, as Sarathi's, whose
-steps are the samples the fit needs."""
+steps are the samples the fit needs.
+
+The same model predicts the queue ahead of a new prompt (`prefill_wait_s`): the TTFT
+target's admission refuses a prompt whose first token would come too late."""
 
 from __future__ import annotations
 
@@ -32,14 +35,18 @@ def attention_pairs(start: int, num_tokens: int) -> float:
 
 class StepCostModel:
     """A linear model of a step's seconds, refitted every `refit_every` recorded steps over
-    the last `window` of them; it predicts nothing until `min_samples` steps with prefill
-    tokens and `min_samples` without were seen."""
+    the last `window` of them. A step's prefill cost is known once `min_samples` steps with
+    prompt tokens were seen, its decode cost once `min_samples` steps without them were (a
+    prefill worker learns only the first, a decode worker only the second); it predicts
+    nothing it has not measured."""
 
     def __init__(self, window: int = 256, min_samples: int = 4, refit_every: int = 8) -> None:
         self.samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
         self.min_samples = min_samples
         self.refit_every = refit_every
         self.coefficients: np.ndarray | None = None  # base, decode, prefill token, attention
+        self.prefill_measured = False
+        self.decodes_measured = False
         self._since_fit = 0
 
     def record(self, decodes: int, prefill_tokens: int, attention: float, seconds: float) -> None:
@@ -52,10 +59,12 @@ class StepCostModel:
     def _fit(self) -> None:
         data = np.array(self.samples)
         with_prefill = int((data[:, 2] > 0).sum())
-        if with_prefill < self.min_samples or len(data) - with_prefill < self.min_samples:
+        without_prefill = len(data) - with_prefill
+        if max(with_prefill, without_prefill) < self.min_samples:
             return
         x, y = data[:, :4], data[:, 4]
-        active = list(range(4))
+        # A feature never seen (no decodes on a prefill worker) has no weight to fit.
+        active = [i for i in range(4) if i == 0 or x[:, i].any()]
         coefficients = np.zeros(4)
         while active:  # drop a feature whose best weight is negative, fit the rest again
             solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
@@ -64,13 +73,44 @@ class StepCostModel:
                 break
             active.pop(int(np.argmin(solution)))
         # A step with prefill must cost something per token, or no chunk would ever be cut.
-        if coefficients[2] > 0:
+        prefill = with_prefill >= self.min_samples and coefficients[2] > 0
+        decodes = without_prefill >= self.min_samples
+        if prefill or decodes:
             self.coefficients = coefficients
+            self.prefill_measured, self.decodes_measured = prefill, decodes
 
     def predict(self, decodes: int, prefill_tokens: int, attention: float) -> float | None:
         if self.coefficients is None:
             return None
+        if (prefill_tokens and not self.prefill_measured) or (
+            decodes and not self.decodes_measured
+        ):
+            return None
         return float(self.coefficients @ np.array([1.0, decodes, prefill_tokens, attention]))
+
+    def prefill_wait_s(
+        self, prompts: list[tuple[int, int]], decodes: int, decode_attention: float,
+        target_s: float, min_chunk: int, max_step_tokens: int,
+    ) -> float | None:  # fmt: skip
+        """Seconds until every prompt of `prompts` ((first position to compute, tokens) in
+        queue order) is prefilled, beside `decodes` streams under the TPOT target `target_s`
+        (0: none): the prompts' own compute, plus the decodes' share of every step they
+        take (each step has the target's room left by the decodes, at least `min_chunk`
+        tokens' worth). Without decodes, steps of `max_step_tokens` and the base cost of
+        each. None while unmeasured."""
+        if not self.prefill_measured:
+            return None
+        assert self.coefficients is not None
+        base, _, per_token, per_attention = self.coefficients
+        work = sum(per_token * n + per_attention * attention_pairs(s, n) for s, n in prompts)
+        if target_s > 0 and decodes > 0:
+            decode_s = self.predict(decodes, 0, decode_attention)
+            if decode_s is None:
+                return None
+            room = max(target_s - decode_s, per_token * min_chunk)
+            return work + math.ceil(work / room) * decode_s
+        tokens = sum(n for _, n in prompts)
+        return work + math.ceil(tokens / max(1, max_step_tokens)) * base
 
 
 class StepPlan:
@@ -87,7 +127,7 @@ class StepPlan:
         self.warmup_left: int | None = None  # prompt tokens left while unmeasured
         if target_s > 0 and decodes > 0:
             used = model.predict(decodes, 0, decode_attention)
-            if used is None:
+            if used is None or not model.prefill_measured:
                 self.warmup_left = warmup_chunk
             else:
                 self.room_s = target_s - used

@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     from pdserve.services.client import add_client_args
     from pdserve.services.coordinator.main import add_coordinator_args, add_http_args
-    from pdserve.services.service_args import add_service_args, add_worker_args
+    from pdserve.services.service_args import (
+        add_admission_args,
+        add_service_args,
+        add_worker_args,
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -97,6 +101,7 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
         "ports stay plain unless --public-tls-cert/--public-tls-key are given)",
     )
     add_service_args(serve, 50051)
+    add_admission_args(serve)
     add_http_args(serve, 8000)
     add_engine_args(serve)
 

@@ -38,8 +38,7 @@ class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:
-            self.worker.metrics.refused("max_pending")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self.worker.refuse_busy(context, e)
         async for out in loop.stream(parsed.request_id):
             response = generate_pb2.GenerateResponse(
                 request_id=parsed.request_id,

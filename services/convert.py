@@ -13,6 +13,8 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.v1 import generate_pb2
 
 _DEFAULTS = SamplingParams()
+# Trailing metadata of a RESOURCE_EXHAUSTED refusal: whole seconds to wait, as HTTP's header.
+RETRY_AFTER_KEY = "retry-after"
 
 
 def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:

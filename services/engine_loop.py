@@ -45,6 +45,8 @@ class EngineLoop:
         self.steps = 0
         # Requests that may wait for the batch at once (0: no limit); more are refused.
         self.max_pending = 0
+        # A prompt whose first token is predicted later than this is refused (0: never).
+        self.ttft_target_s = 0.0
         self._adding = 0  # submitted to the engine thread, not yet in its waiting queue
 
     def start(self) -> None:
@@ -87,7 +89,8 @@ class EngineLoop:
     ) -> Request:
         """Queue a request; its outputs go to `stream(request_id)`. If the caller is
         cancelled meanwhile, the request is dropped once the engine has it. Raises
-        `WorkerBusyError` when `max_pending` requests already wait."""
+        `WorkerBusyError` when `max_pending` requests already wait, or when its first token
+        would miss `ttft_target_s`."""
         waiting = len(self.engine.scheduler.waiting) + self._adding
         if self.max_pending and waiting >= self.max_pending:
             raise WorkerBusyError(
@@ -97,7 +100,9 @@ class EngineLoop:
         self.open_stream(request_id)
         self._adding += 1
         added = self.submit(
-            lambda: self.engine.add_request(prompt, params, request_id, prefill_only, resume)
+            lambda: self.engine.add_request(
+                prompt, params, request_id, prefill_only, resume, self.ttft_target_s
+            )
         )
         added.add_done_callback(self._on_added)
         try:

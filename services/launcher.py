@@ -125,6 +125,7 @@ def _run_serve(
     threads = args.threads or max(1, default_threads() // (len(roles) * args.expert_parallel))
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
+    admission = ["--ttft-target-ms", str(args.ttft_target_ms)]  # workers only
     if tls_env or coordinator_env.get("PDSERVE_PUBLIC_TLS_CERT"):
         common += ["--health-port", "0"]  # health is then checked where no certificate is asked
     children: list[ServiceChild] = []
@@ -136,7 +137,8 @@ def _run_serve(
             child_args = argparse.Namespace(**{**vars(args), "threads": threads})
             if args.kv_offload_dir:  # each worker its own tier (its own index and LRU)
                 child_args.kv_offload_dir = os.path.join(args.kv_offload_dir, f"{role}-{i}")
-            children.append(ServiceChild(role, [*common, *engine_argv(child_args)], tls_env))
+            argv = [*common, *admission, *engine_argv(child_args)]
+            children.append(ServiceChild(role, argv, tls_env))
         # An expert-parallel worker is a group of ranks, each an endpoint of its own.
         workers = [
             {"role": child.role, **rank}

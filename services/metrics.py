@@ -36,8 +36,9 @@ HELD = Gauge(
 )
 REFUSED = Counter(
     "pdserve_requests_refused",
-    "Requests refused before any work: max_pending (queue full), unknown_prefill_worker "
-    "(a KV handle naming an address this worker does not know)",
+    "Requests refused before any work: max_pending (queue full), ttft_target (the first "
+    "token would miss --ttft-target-ms), unknown_prefill_worker (a KV handle naming an "
+    "address this worker does not know)",
     (*LABELS, "reason"),
 )
 # Counters as vLLM shapes them (tokens); fed by deltas of the scheduler's running counts.

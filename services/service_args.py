@@ -81,6 +81,7 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
         + (", or for KV blocks" if role == "decode" else "")
         + ") before new ones are refused with RESOURCE_EXHAUSTED (default: %(default)s)",
     )
+    add_admission_args(g)
     g.add_argument(
         "--status-interval",
         type=float,
@@ -96,3 +97,15 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
             "address is refused (PERMISSION_DENIED) before a connection is made",
         )
     add_engine_args(p)
+
+
+def add_admission_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """Flags of a serving worker's admission that `serve` passes to its workers too."""
+    g.add_argument(
+        "--ttft-target-ms",
+        type=float,
+        default=float(env("ttft_target_ms", "0") or 0),
+        help="refuse a prompt (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) whose first "
+        "token is predicted later than this, from the prompts queued ahead of it and the "
+        "measured step costs; 0: never (default: %(default)s)",
+    )

@@ -7,15 +7,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+import grpc
+
+from pdserve.common.errors import WorkerBusyError
 from pdserve.common.kv_transfer import KvTransport, create_transport
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
+from pdserve.services.convert import RETRY_AFTER_KEY
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
 from pdserve.services.expert_parallel import current_group
@@ -40,6 +45,17 @@ class Worker:
     group: str = ""
     group_rank: int = 0
     group_size: int = 1
+
+    async def refuse_busy(self, context: grpc.aio.ServicerContext, e: WorkerBusyError) -> NoReturn:
+        """End the call with RESOURCE_EXHAUSTED and, in trailing metadata, when to retry
+        (`retry-after`, whole seconds, as HTTP's header: the coordinator relays it)."""
+        self.metrics.refused(e.reason)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            str(e),
+            trailing_metadata=((RETRY_AFTER_KEY, str(max(1, math.ceil(e.retry_after_s)))),),
+        )
+        raise AssertionError("unreachable: abort raises")
 
 
 def run_worker(args: argparse.Namespace, role: str) -> int:
@@ -82,6 +98,9 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     loop_type = EngineLoop if group is None else LockstepEngineLoop
     loop = loop_type(engine, asyncio.get_running_loop())
     loop.max_pending = args.max_pending
+    if args.ttft_target_ms < 0:
+        raise ValueError(f"ttft_target_ms: must be >= 0, got {args.ttft_target_ms}")
+    loop.ttft_target_s = args.ttft_target_ms / 1000
     model = os.path.basename(str(engine.model_dir))
     transport = None
     if role != "colocated":

@@ -70,10 +70,12 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         usage: dict[str, int] | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.usage = usage  # a request that failed part way: what it had generated
+        self.retry_after_s = retry_after_s or RETRY_AFTER_S
 
     def body(self) -> dict[str, Any]:
         body = error_body(self.status, self.message, self.param, self.code)
@@ -82,7 +84,7 @@ class ApiError(Exception):
         return body
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        headers = {"Retry-After": str(self.retry_after_s)} if self.status == 429 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -111,7 +113,7 @@ def api_error(e: RequestFailed | InvalidRequestError) -> ApiError:
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         }
-    return ApiError(status, message, param, code, usage)
+    return ApiError(status, message, param, code, usage, e.retry_after_s)
 
 
 class OpenAIServer:

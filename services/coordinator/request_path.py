@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 from pdserve.common.block_hashing import block_hashes
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
-from pdserve.services.convert import params_to_proto
+from pdserve.services.convert import RETRY_AFTER_KEY, params_to_proto
 from pdserve.services.coordinator.metrics import RequestTimer
 from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
 from pdserve.services.coordinator.router import NoWorkerError
@@ -48,6 +48,7 @@ class RequestFailed(Exception):
         self.field = field
         self.context_length = context_length  # the prompt does not fit the context
         self.usage: generate_pb2.Usage | None = None  # what was generated before it failed
+        self.retry_after_s: int | None = None  # a refusal's hint: when to try again
 
 
 def request_attributes(request: generate_pb2.GenerateRequest, model: str) -> dict:
@@ -77,7 +78,17 @@ _INTERNAL_REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCo
 
 def _worker_error(role: str, address: str, e: grpc.aio.AioRpcError) -> RequestFailed:
     code = grpc.StatusCode.UNAVAILABLE if e.code() in _INTERNAL_REFUSALS else e.code()
-    return RequestFailed(code, f"{role} worker {address}: {e.details()}")
+    error = RequestFailed(code, f"{role} worker {address}: {e.details()}")
+    error.retry_after_s = retry_after(e.trailing_metadata())
+    return error
+
+
+def retry_after(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """A worker's `retry-after` trailer (whole seconds), if it sent a valid one."""
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_KEY and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
 
 
 # A call that ended so means the worker (or the way to it) is gone, not that the request is

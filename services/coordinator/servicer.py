@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.services.convert import RETRY_AFTER_KEY
 from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -26,6 +27,7 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
             async for response in responses:
                 yield response
         except RequestFailed as e:
-            await context.abort(e.code, e.message)
+            trailer = ((RETRY_AFTER_KEY, str(e.retry_after_s)),) if e.retry_after_s else ()
+            await context.abort(e.code, e.message, trailing_metadata=trailer)
         finally:
             await responses.aclose()

@@ -1,8 +1,10 @@
 """Decode-side back-pressure, step 6 of a request's path: a prefilled request is admitted
 only when blocks for its prompt and first token can be allocated (reusing this worker's
-cached prefix) and the batch has a free slot (`max_num_seqs`, counting requests still
-pulling). Requests that do not fit wait in a bounded FIFO, retried before every engine
-step; past the bound, new ones are refused. Engine thread only."""
+cached prefix), the batch has a free slot (`max_num_seqs`, counting requests still
+pulling) and a decode step with it joined is predicted within the TPOT target (by the
+step costs this worker measured; `--tpot-target-ms`). Requests that do not fit wait in a
+bounded FIFO, retried before every engine step; past the bound, new ones are refused.
+Engine thread only."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from concurrent.futures import Future
 
 from pdserve.common.engine import LLMEngine
 from pdserve.common.request import Request
+from pdserve.common.step_cost import attention_pairs
 
 
 class AdmissionQueueFull(RuntimeError):
@@ -78,7 +81,26 @@ class Admission:
         scheduler = self.engine.scheduler
         if len(scheduler.running) + len(self._reserved) >= scheduler.max_num_seqs:
             return None
+        if not self._within_tpot_target(request):
+            return None
         num_cached = self.engine.reserve_prefilled(request)
         if num_cached is not None:
             self._reserved.add(request)
         return num_cached
+
+    def _within_tpot_target(self, request: Request) -> bool:
+        """Whether a decode step with `request` joined is predicted within the TPOT target.
+        Always true for a batch of its own, while the step costs are unmeasured, and where
+        the target is out of reach (a step of one stream alone misses it: then no batch
+        size meets it, and the largest batch serves the most)."""
+        scheduler = self.engine.scheduler
+        target, model = scheduler.tpot_target_s, scheduler.step_cost
+        batch = [*scheduler.running, *self._reserved]
+        if not target or not batch:
+            return True
+        alone = model.predict(1, 0, attention_pairs(request.num_tokens - 1, 1))
+        if alone is None or alone > target:
+            return True
+        attention = sum(attention_pairs(r.num_tokens - 1, 1) for r in (*batch, request))
+        seconds = model.predict(len(batch) + 1, 0, attention)
+        return seconds is None or seconds <= target

@@ -168,8 +168,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:
-            self.worker.metrics.refused("max_pending")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self.worker.refuse_busy(context, e)
         finished = False
         try:
             # Inside the try: a caller gone at this first message must free the request too.

@@ -74,8 +74,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:
-            self.worker.metrics.refused("max_pending")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self.worker.refuse_busy(context, e)
         try:
             final = None
             async for out in loop.stream(request.request_id):

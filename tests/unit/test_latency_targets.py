@@ -1,0 +1,211 @@
+"""Admission by the latency targets (no timing: step costs are recorded from a known cost
+function): a prompt whose first token is predicted past `--ttft-target-ms` is refused
+before it holds anything, and a decode worker admits a stream only while a step with it
+stays within the TPOT target. The prediction of the queue ahead is checked against the
+steps the scheduler's own plan would run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine import LLMEngine
+from pdserve.common.errors import WorkerBusyError
+from pdserve.common.request import Resume
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.step_cost import StepCostModel, StepPlan, attention_pairs
+from pdserve.services.decode.admission import Admission
+
+BASE, PER_DECODE, PER_TOKEN, PER_ATTENTION = 0.010, 0.002, 0.0003, 0.004
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def true_cost(decodes: int, prefill: int, attention: float) -> float:
+    return BASE + PER_DECODE * decodes + PER_TOKEN * prefill + PER_ATTENTION * attention
+
+
+def record(model: StepCostModel, prefill_steps: int, decode_steps: int) -> None:
+    for i in range(prefill_steps):
+        tokens = 64 + 37 * i
+        model.record(
+            0, tokens, attention_pairs(0, tokens), true_cost(0, tokens, attention_pairs(0, tokens))
+        )
+    for i in range(decode_steps):
+        decodes = 1 + i % 7
+        attention = decodes * attention_pairs(200 + 50 * i, 1)
+        model.record(decodes, 0, attention, true_cost(decodes, 0, attention))
+
+
+def test_a_prefill_worker_learns_prefill_costs_and_predicts_no_decodes():
+    model = StepCostModel()
+    record(model, prefill_steps=16, decode_steps=0)
+    assert model.prefill_measured and not model.decodes_measured
+    assert model.predict(0, 300, attention_pairs(0, 300)) == pytest.approx(
+        true_cost(0, 300, attention_pairs(0, 300))
+    )
+    assert model.predict(2, 0, 0.001) is None
+
+
+def test_a_decode_worker_learns_decode_costs_only():
+    model = StepCostModel()
+    record(model, prefill_steps=0, decode_steps=16)
+    assert model.decodes_measured and not model.prefill_measured
+    assert model.predict(5, 0, 0.01) == pytest.approx(true_cost(5, 0, 0.01))
+    assert model.predict(0, 10, 0.0) is None
+    assert model.prefill_wait_s([(0, 100)], 0, 0.0, 0.05, 16, 2048) is None
+
+
+def simulated_wait(
+    prompts: list[tuple[int, int]],
+    decodes: int,
+    decode_attention: float,
+    target_s: float,
+    min_chunk: int,
+    model: StepCostModel,
+) -> float:
+    """Seconds of the steps the scheduler's plan runs until every prompt is prefilled."""
+    left = [list(p) for p in prompts]
+    seconds = 0.0
+    while left:
+        plan = StepPlan(model, target_s, decodes, decode_attention, min_chunk, warmup_chunk=0)
+        tokens, attention = 0, decode_attention
+        for prompt in left:
+            n = plan.prefill_tokens(prompt[0], prompt[1])
+            if n == 0:
+                break
+            tokens += n
+            attention += attention_pairs(prompt[0], n)
+            prompt[0] += n
+            prompt[1] -= n
+        left = [p for p in left if p[1] > 0]
+        seconds += true_cost(decodes, tokens, attention)
+    return seconds
+
+
+@pytest.mark.parametrize("decodes", [0, 4, 12])
+def test_the_queue_ahead_is_predicted_as_the_plan_would_run_it(decodes):
+    model = StepCostModel()
+    record(model, prefill_steps=16, decode_steps=16)
+    target = 0.050
+    prompts = [(0, 700), (128, 300), (0, 1500), (0, 40)]
+    decode_attention = decodes * attention_pairs(600, 1)
+    predicted = model.prefill_wait_s(prompts, decodes, decode_attention, target, 16, 100_000)
+    simulated = simulated_wait(prompts, decodes, decode_attention, target, 16, model)
+    # The prediction counts whole steps of room; the plan cuts whole tokens: a step apart.
+    step = true_cost(decodes, 0, decode_attention) if decodes else BASE
+    assert predicted is not None and abs(predicted - simulated) <= 2 * step + 1e-9
+    # More queued ahead is never predicted sooner.
+    longer = model.prefill_wait_s(
+        [*prompts, (0, 500)], decodes, decode_attention, target, 16, 100_000
+    )
+    assert longer is not None and longer > predicted
+
+
+def test_without_decodes_the_prompts_run_in_steps_of_the_token_budget():
+    model = StepCostModel()
+    record(model, prefill_steps=16, decode_steps=16)
+    prompts = [(0, 1000), (0, 1000)]
+    work = sum(PER_TOKEN * n + PER_ATTENTION * attention_pairs(s, n) for s, n in prompts)
+    wait = model.prefill_wait_s(prompts, 0, 0.0, 0.05, 16, 512)
+    assert wait == pytest.approx(work + math.ceil(2000 / 512) * BASE)
+
+
+def _engine(model_dir, **config) -> LLMEngine:
+    """A real engine whose step costs are the known function's (its own steps, timed on
+    this machine, would make the figures below depend on the host)."""
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), dtype="float32", threads=1, kv_cache_tokens=4096,
+                     **config)
+    )  # fmt: skip
+    engine.step_cost = engine.scheduler.step_cost = StepCostModel()
+    record(engine.step_cost, prefill_steps=16, decode_steps=16)
+    return engine
+
+
+def _prompt(i: int) -> list[int]:
+    return list(range(1000 + 100 * i, 1100 + 100 * i))  # 100 tokens of its own
+
+
+def _run(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+ONE = PER_TOKEN * 100 + PER_ATTENTION * attention_pairs(0, 100)  # a 100-token prompt's compute
+TARGET = 2.5 * ONE + BASE  # two prompts' first tokens are within it, a third's is not
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_a_prompt_past_the_ttft_target_is_refused_before_it_holds_anything(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    total = engine.kv_cache.num_free_blocks
+    for i in range(2):
+        engine.add_request(_prompt(i), GREEDY, f"r{i}", ttft_target_s=TARGET)
+    with pytest.raises(WorkerBusyError, match=r"past its TTFT target \(--ttft-target-ms") as e:
+        engine.add_request(_prompt(2), GREEDY, "r2", ttft_target_s=TARGET)
+    assert e.value.reason == "ttft_target"
+    # Predicted at three prompts' compute and one step's base: retry once half a prompt ran.
+    assert e.value.retry_after_s == pytest.approx(3 * ONE + BASE - TARGET)
+    assert "r2" not in engine.scheduler.requests and len(engine.scheduler.waiting) == 2
+    # Without a target (offline) and for a resumed leg (its stream is open): never refused.
+    engine.add_request(_prompt(3), GREEDY, "offline")
+    resume = Resume(output_tokens=3, sent_chars=0)
+    engine.add_request(_prompt(4), GREEDY, "resumed", resume=resume, ttft_target_s=TARGET)
+    assert len(engine.scheduler.waiting) == 4
+    _run(engine)
+    assert engine.kv_cache.num_free_blocks == total
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_a_cached_prefix_counts_only_what_is_left_to_compute(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    engine.add_request(_prompt(0), GREEDY, "first")
+    _run(engine)  # its 6 full blocks stay cached
+    engine.step_cost = engine.scheduler.step_cost = StepCostModel()
+    record(engine.step_cost, prefill_steps=16, decode_steps=16)
+    for i in (1, 2):
+        engine.add_request(_prompt(i), GREEDY, f"r{i}", ttft_target_s=TARGET)
+    # 96 of its 100 tokens are cached: it fits where a fresh prompt does not.
+    engine.add_request(_prompt(0), GREEDY, "again", ttft_target_s=TARGET)
+    with pytest.raises(WorkerBusyError):
+        engine.add_request(_prompt(3), GREEDY, "fresh", ttft_target_s=TARGET)
+    _run(engine)
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_a_decode_worker_batches_to_the_tpot_target(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    prompts = [list(range(200 + 100 * i, 240 + 100 * i)) for i in range(4)]  # 40 tokens each
+    requests = [engine.new_prefilled_request(p, 5, GREEDY, f"d{i}") for i, p in enumerate(prompts)]
+    # A step of three streams (their 41-token contexts) is within the target, four are not.
+    engine.scheduler.tpot_target_s = true_cost(3, 0, 3 * attention_pairs(40, 1)) + 1e-6
+    admission = Admission(engine, max_pending=4)
+    admitted = [admission.submit(r) for r in requests]
+    assert [f.done() for f in admitted] == [True, True, True, False]
+    admission.start(requests[0])
+    admission.admit()
+    assert not admitted[3].done()  # still three in the batch
+    admission.withdraw(requests[0])  # a stream ends: room for the fourth
+    admission.admit()
+    assert admitted[3].result(0) == 0
+    for r in requests[1:]:
+        admission.withdraw(r)
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_a_target_no_batch_meets_leaves_decode_batches_to_their_slots(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    engine.scheduler.tpot_target_s = true_cost(1, 0, 0.0) / 2  # one stream alone misses it
+    admission = Admission(engine, max_pending=4)
+    requests = [
+        engine.new_prefilled_request(list(range(200 + 100 * i, 240 + 100 * i)), 5, GREEDY, f"d{i}")
+        for i in range(4)
+    ]
+    assert all(admission.submit(r).done() for r in requests)
+    for r in requests:
+        admission.withdraw(r)
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
