@@ -5,7 +5,10 @@ run on the same requests: no tier (the small pool alone), the disk tier (`--kv-o
 same small pool), and a pool large enough for everything. For each: prefix hit rate and
 TTFT p50/p90 (arrival to first token; one request at a time, as a session's turn follows its
 last), and the tier's store and load GB/s beside the disk's own write and read rate measured
-in the same folder in the same run. Prints one JSON object.
+in the same folder in the same run, as ratios (`load_over_disk_read`: loads during the
+workload, read and copy into the pool; `isolated_load_over_disk_read`: the read path alone
+over every block, engine idle), with where a load's time goes (`load_path_us_per_block`).
+Prints one JSON object.
 
     .venv/bin/python benchmarks/kv_offload.py [--sessions 12] [--turns 3] [--system-tokens 448]
         [--pool-fraction 0.25] [--dir /tmp/pdserve-kv-bench]
@@ -24,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from machine import cpu_name
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
-from pdserve.common.kv_offload import DiskTier
+from pdserve.common.kv_offload import DiskTier, checksum
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -69,17 +73,46 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[st
     }
 
 
-def isolated_load_gb_s(tier: DiskTier) -> float:
+def isolated_load(tier: DiskTier, pool: torch.Tensor) -> dict[str, Any]:
     """The tier's own read path (open, read into a tensor, checksum) over every block it
-    holds, with the engine idle: what loads cost when they do not share the cores."""
+    holds, with the engine idle, in GB/s; and where a block's load time goes, in µs: that
+    whole read, the checksum within it, the payload alone read into one reused buffer (the
+    floor of one file per block: open, seek, read), and the engine's copy into a pool block."""
     hashes = list(tier._index)
     start = time.perf_counter()
-    nbytes = 0
+    blocks = []
     for h in hashes:
         block = tier._read_file(tier._path(h), h)
         assert block is not None
-        nbytes += block[1].nbytes
-    return round(nbytes / max(time.perf_counter() - start, 1e-9) / 1e9, 3)
+        blocks.append(block[1])
+    whole = time.perf_counter() - start
+    nbytes = sum(b.nbytes for b in blocks)
+    start = time.perf_counter()
+    for b in blocks:
+        checksum(b.view(torch.uint8).numpy().reshape(-1))
+    sums = time.perf_counter() - start
+    buffer = memoryview(torch.empty(tier.block_bytes, dtype=torch.uint8).numpy())
+    start = time.perf_counter()
+    for h in hashes:
+        with open(tier._path(h), "rb", buffering=0) as f:
+            f.seek(-tier.block_bytes, os.SEEK_END)
+            f.readinto(buffer)
+    bare = time.perf_counter() - start
+    start = time.perf_counter()
+    for i, b in enumerate(blocks):
+        pool[i % len(pool)].copy_(b)
+    copy = time.perf_counter() - start
+    n = max(len(blocks), 1)
+    return {
+        "load_gb_s_isolated": round(nbytes / max(whole, 1e-9) / 1e9, 3),
+        "load_path_us_per_block": {
+            "block_bytes": tier.block_bytes,
+            "read_file": round(whole / n * 1e6, 1),
+            "of_which_checksum": round(sums / n * 1e6, 1),
+            "payload_read_only": round(bare / n * 1e6, 1),
+            "copy_into_pool": round(copy / n * 1e6, 1),
+        },
+    }
 
 
 def disk_rates(folder: Path, nbytes: int = 256 * 2**20) -> dict[str, float]:
@@ -142,7 +175,7 @@ def main() -> None:
         tier = engine.kv_cache.tier
         if tier is not None:
             tier.flush()
-            isolated = isolated_load_gb_s(tier)
+            isolated = isolated_load(tier, engine.runner.kv_cache)
             s = tier.stats
             results[name]["tier"] = {
                 "stores": s.stores,
@@ -151,19 +184,24 @@ def main() -> None:
                 "dropped": s.dropped,
                 "store_gb_s": round(s.store_bytes / max(s.store_seconds, 1e-9) / 1e9, 3),
                 "load_gb_s": round(s.load_bytes / max(s.load_seconds, 1e-9) / 1e9, 3),
-                "load_gb_s_isolated": isolated,
+                **isolated,
             }
         engine.close()
     outputs = {name: r.pop("outputs") for name, r in results.items()}
     same = all(o == outputs["unbounded_pool"] for o in outputs.values())
     tiered, none, full = results["disk_tier"], results["no_tier"], results["unbounded_pool"]
+    disk = disk_rates(folder)
     print(json.dumps({
         "cpu": cpu_name(),
+        "load_average": os.getloadavg(),
         "workload": {"sessions": args.sessions, "turns": args.turns,
                      "system_tokens": args.system_tokens, "requests": len(prompts),
                      "working_set_tokens": working_set, "small_pool_tokens": small},
-        "disk": disk_rates(folder),
+        "disk": disk,
         "results": results,
+        "load_over_disk_read": round(tiered["tier"]["load_gb_s"] / disk["read_gb_s"], 3),
+        "isolated_load_over_disk_read": round(
+            tiered["tier"]["load_gb_s_isolated"] / disk["read_gb_s"], 3),
         "greedy_ids_equal": same,
         "disk_tier_hit_rate_vs_unbounded": round(
             tiered["prefix_hit_rate"] / max(full["prefix_hit_rate"], 1e-9), 3),

@@ -84,9 +84,6 @@ class BlockPool:
         # Called with a cached block about to be reused for new data (its KV still in
         # place): the KV manager's hook that spills it to the tier below.
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
-        # Called with each block just registered in the prefix cache (its KV written): the
-        # hook that writes it through to a tier shared with other workers.
-        self.on_cached: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,8 +148,6 @@ class BlockPool:
         self.cached[block_hash] = block
         if self._events is not None:
             self._events.append((True, block_hash))
-        if self.on_cached is not None:
-            self.on_cached(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:

@@ -70,7 +70,6 @@ class KVCacheManager:
             return
         self.shared_tier = tier
         self._kv = kv_cache
-        self.pool.on_cached = self._write_through
 
     @property
     def tiers(self) -> list[Tier]:
@@ -83,10 +82,19 @@ class KVCacheManager:
         assert block.block_hash is not None and block.token_ids is not None
         tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
 
-    def _write_through(self, block: KVCacheBlock) -> None:
-        assert self.shared_tier is not None and self._kv is not None
-        assert block.block_hash is not None and block.token_ids is not None
-        self.shared_tier.store(block.block_hash, block.token_ids, self._kv[block.block_id])
+    def _write_through(self, request: Request, start: int, blocks: list[KVCacheBlock]) -> None:
+        """Store `blocks`, the request's blocks `start ..` just registered in the pool, in the
+        shared tier, and make the chain's blocks before them the most recent there: tail
+        first, so the chain's head is the most recent and its tail is evicted first."""
+        tier = self.shared_tier
+        if tier is None or not blocks:
+            return
+        assert self._kv is not None
+        bs = self.block_size
+        for i in reversed(range(start, start + len(blocks))):
+            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+            tier.store(request.block_hashes[i], tokens, self._kv[blocks[i - start].block_id])
+        tier.touch(request.block_hashes[:start])
 
     def _tier_candidates(self, request: Request) -> tuple[int, list[int]]:
         """(pool hits, the hashes after them up to the last full prompt block)."""
@@ -161,6 +169,7 @@ class KVCacheManager:
             self._kv[block.block_id].copy_(kv)
             self.pool.cache_block(block, block_hash, tokens)
         tier.stats.load_seconds += time.perf_counter() - copy_start  # part of bringing it back
+        self._write_through(request, start, blocks[: len(kvs)])
         self.tier_hit_tokens += len(kvs) * bs
         self.pool.free_blocks(reversed(blocks))
         return len(kvs)
@@ -222,12 +231,14 @@ class KVCacheManager:
         self._update_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         bs = self.block_size
-        for i in range(request.num_registered_blocks, num_full):
+        start = request.num_registered_blocks
+        for i in range(start, num_full):
             self.pool.cache_block(
                 request.blocks[i],
                 request.block_hashes[i],
                 request.all_token_ids[i * bs : (i + 1) * bs],
             )
+        self._write_through(request, start, request.blocks[start:num_full])
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def swap_pays(self, request: Request) -> bool:

@@ -81,15 +81,23 @@ class HostTier:
     def wait_ready(self, hashes: Sequence[int], timeout: float) -> None:
         return None
 
+    def touch(self, hashes: Sequence[int]) -> None:
+        """Make the held ones of a run of one chain's blocks (head first) the most recently
+        used, tail first: the run's head ends up the most recent, so its tail goes first."""
+        for h in reversed(hashes):
+            if h in self._held:
+                self._held.move_to_end(h)
+
     def take_ready(self, blocks: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
-        """Views of the leading blocks' slots (copy them before the next `store`)."""
+        """Views of the leading blocks' slots (copy them before the next `store`); the run
+        taken becomes the most recently used, tail first."""
         out = []
         for block_hash, token_ids in blocks:
             entry = self._held.get(block_hash)
             if entry is None or entry[1] != tuple(token_ids):
                 break
-            self._held.move_to_end(block_hash)
             out.append(self.slab[entry[0]])
+        self.touch([h for h, _ in blocks[: len(out)]])
         self.stats.hits += len(out)
         self.stats.loads += len(out)
         self.stats.load_bytes += len(out) * self.block_bytes
@@ -120,9 +128,20 @@ class HostTier:
     def flush(self, timeout: float = 30.0) -> bool:
         return True
 
+    def check_consistent(self) -> list[str]:
+        """What is wrong with the slots' bookkeeping (empty: nothing): every slot is either
+        free or holds exactly one block."""
+        used = [slot for slot, _ in self._held.values()]
+        slots = sorted(used + self._free)
+        if slots == list(range(len(self.slab))):
+            return []
+        return [f"{len(self._free)} free + {len(used)} used slots of {len(self.slab)}, "
+                f"{len(slots) - len(set(slots))} counted twice"]  # fmt: skip
+
     def close(self) -> None:
         """Hand every block down to the tier below (so a disk tier keeps them)."""
         if self.below is not None:
             for block_hash, (slot, tokens) in self._held.items():
                 self.below(block_hash, tokens, self.slab[slot])
+        self._free.extend(slot for slot, _ in self._held.values())
         self._held.clear()

@@ -8,8 +8,15 @@ header (magic, the chained block hash, the payload's XXH3-64 checksum, the block
 ids) and then the block's raw KV bytes, read straight into the tensor that holds them.
 Files are written to a temporary name and renamed, so a crash leaves either a whole block or
 none; a block whose checksum, size or tokens do not match is a miss (and deleted), never
-wrong KV. The index (hash → bytes, least recently used
-first) is rebuilt from the folder at start, oldest file first.
+wrong KV. The index (hash → bytes, least recently used first) is rebuilt from the folder at
+start, oldest file first.
+
+The index holds a block from the moment it is stored, before it is written: its place in
+the least-recently-used order is decided on the engine thread, in the order blocks are
+stored and used, not in the order the disk gets to them. A run of one chain's blocks is
+stored or used tail first (`touch`), so its head is the most recent and a conversation's
+tail is evicted before its head (a block whose predecessor is gone is unreachable). A block
+evicted before it is written is simply never written.
 
 All disk work runs on one I/O thread, reads before writes. The engine thread only copies a
 block out (`store`: the copy waits in memory until written, and serves hits meanwhile) or
@@ -108,8 +115,10 @@ class DiskTier:
         self.max_pending_bytes = max_pending_bytes
         self.stats = TierStats()
         self._lock = threading.Condition()
-        self._index: OrderedDict[int, int] = OrderedDict()  # on disk: hash -> file bytes
-        self._pending: dict[int, Block] = {}  # to be written
+        # Every block held (on disk or to be written): hash -> file bytes, least recently
+        # used first.
+        self._index: OrderedDict[int, int] = OrderedDict()
+        self._pending: dict[int, Block] = {}  # to be written (also in the index)
         # Read back (or kept after writing) for a request, until it takes them; None: being
         # read. At most `max_pending_bytes` of them: the oldest untaken go first.
         self._loaded: OrderedDict[int, Block | None] = OrderedDict()
@@ -129,12 +138,11 @@ class DiskTier:
     # ---- the engine thread ---------------------------------------------------------------
 
     def store(self, block_hash: int, token_ids: Sequence[int], kv: torch.Tensor) -> None:
-        """Offer an evicted block: `kv` is copied now and written later. Never waits."""
+        """Offer a block: `kv` is copied now and written later; it becomes the most
+        recently used block (store a chain's blocks tail first). Never waits."""
         with self._lock:
-            if block_hash in self._pending:
-                return
             if block_hash in self._index or self._discover(block_hash):
-                self._index.move_to_end(block_hash)
+                self._index.move_to_end(block_hash)  # held already: now the most recent
                 return
             if (len(self._pending) + 1) * self.block_bytes > self.max_pending_bytes:
                 self.stats.dropped += 1
@@ -142,6 +150,8 @@ class DiskTier:
             copy = torch.empty(self.block_shape, dtype=self.dtype)
             copy.copy_(kv)
             self._pending[block_hash] = (tuple(token_ids), copy)
+            self._index[block_hash] = HEADER.size + 4 * len(token_ids) + self.block_bytes
+            self.used_bytes += self._index[block_hash]
             self._writes.append(block_hash)
             self._event(True, block_hash)
             self._lock.notify()
@@ -160,14 +170,22 @@ class DiskTier:
             events, self._events = self._events, []
             return events
 
+    def touch(self, hashes: Sequence[int]) -> None:
+        """Make the held ones of a run of one chain's blocks (head first, as in a prompt) the
+        most recently used, tail first: the run's head ends up the most recent."""
+        with self._lock:
+            for h in reversed(hashes):
+                if h in self._index:
+                    self._index.move_to_end(h)
+
     def holds(self, block_hash: int) -> bool:
         with self._lock:
-            return block_hash in self._pending or block_hash in self._index
+            return block_hash in self._index
 
     def held_hashes(self) -> list[int]:
-        """Every hash this tier holds (on disk or being written)."""
+        """Every hash this tier holds (on disk or being written), least recently used first."""
         with self._lock:
-            return [*self._index, *(h for h in self._pending if h not in self._index)]
+            return list(self._index)
 
     def _event(self, held: bool, block_hash: int) -> None:
         if self._events is not None:  # under the lock
@@ -211,11 +229,15 @@ class DiskTier:
         write), `LOADING` while it is being read, else None (a miss). A block on disk that
         was not prefetched is queued for reading and reported `LOADING`."""
         with self._lock:
-            return self._take(block_hash, tuple(token_ids))
+            kv = self._take(block_hash, tuple(token_ids))
+            if isinstance(kv, torch.Tensor):
+                self.touch([block_hash])
+            return kv
 
     def take_ready(self, blocks: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
         """The KV of the leading (hash, token ids) blocks that can be taken now, at once (a
-        block cannot go from pending to being read halfway through)."""
+        block cannot go from pending to being read halfway through). The run taken becomes
+        the most recently used, tail first."""
         out: list[torch.Tensor] = []
         with self._lock:
             for block_hash, token_ids in blocks:
@@ -223,6 +245,7 @@ class DiskTier:
                 if not isinstance(kv, torch.Tensor):
                     break
                 out.append(kv)
+            self.touch([h for h, _ in blocks[: len(out)]])
         return out
 
     def _take(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | object | None:
@@ -268,7 +291,40 @@ class DiskTier:
 
     def num_blocks(self) -> int:
         with self._lock:
-            return len(self._index) + len(self._pending)
+            return len(self._index)
+
+    def check_consistent(self) -> list[str]:
+        """What is wrong with this tier's bookkeeping once its work is done (empty: nothing):
+        blocks still to be written, read but never taken, or looked up and never taken; an
+        index that differs from the files on disk (a shared folder may hold more, written by
+        other workers); used bytes that are not the index's sum, or past the capacity."""
+        self.flush()
+        problems = []
+        with self._lock:
+            if self._pending:
+                problems.append(f"{len(self._pending)} blocks still to be written")
+            if self._loaded:
+                problems.append(f"{len(self._loaded)} blocks read (or being read), not taken")
+            if self._wanted:
+                problems.append(f"{len(self._wanted)} blocks looked up, never taken")
+            index = dict(self._index)
+            if self.used_bytes != sum(index.values()):
+                problems.append(
+                    f"used {self.used_bytes} B, the index holds {sum(index.values())} B"
+                )
+            if self.used_bytes > self.capacity_bytes:
+                problems.append(f"used {self.used_bytes} B of {self.capacity_bytes} B")
+        files = {int(p.stem, 16): p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}")}
+        if self.shared:
+            files = {h: size for h, size in files.items() if h in index}
+        if files != index:
+            missing, extra = index.keys() - files.keys(), files.keys() - index.keys()
+            wrong = sum(files[h] != index[h] for h in files.keys() & index.keys())
+            problems.append(
+                f"index vs disk: {len(missing)} not on disk, {len(extra)} not in the index, "
+                f"{wrong} of another size"
+            )
+        return problems
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every pending block is written (tests, shutdown)."""
@@ -314,22 +370,34 @@ class DiskTier:
                 with self._lock:
                     if job == "read":
                         self._loaded.pop(h, None)
-                    elif self._pending.pop(h, None) is not None and h not in self._index:
-                        self._event(False, h)
+                    elif self._pending.pop(h, None) is not None:
+                        self._forget(h)
                     self._lock.notify_all()
 
     def _path(self, block_hash: int) -> Path:
         return self.folder / f"{block_hash:016x}{SUFFIX}"
 
+    def _forget(self, block_hash: int) -> None:
+        """Drop a block from the index (under the lock)."""
+        size = self._index.pop(block_hash, None)
+        if size is not None:
+            self.used_bytes -= size
+            self._event(False, block_hash)
+
     def _write(self, block_hash: int) -> None:
         with self._lock:
+            if block_hash not in self._pending:  # evicted before its turn
+                return
             tokens, kv = self._pending[block_hash]
         start = time.perf_counter()
         payload = kv.view(torch.uint8).numpy().reshape(-1)
         header = HEADER.pack(MAGIC, block_hash, checksum(payload), payload.nbytes, len(tokens))
         ids = struct.pack(f"<{len(tokens)}I", *tokens)
         size = len(header) + len(ids) + payload.nbytes
-        self._make_room(size)
+        self._make_room()
+        with self._lock:
+            if block_hash not in self._pending:  # it was the least recently used itself
+                return
         tmp = self.folder / f".{block_hash:016x}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "wb") as f:
             f.write(header)
@@ -341,8 +409,6 @@ class DiskTier:
             if block_hash in self._wanted:  # a request is about to take it: keep it at hand
                 self._wanted.discard(block_hash)
                 self._keep(block_hash, (tokens, kv))
-            self._index[block_hash] = size
-            self.used_bytes += size
             self.stats.stores += 1
             self.stats.store_bytes += size
             self.stats.store_seconds += time.perf_counter() - start
@@ -357,16 +423,20 @@ class DiskTier:
         for h in ready[: max(0, len(ready) - self.max_pending_bytes // self.block_bytes)]:
             del self._loaded[h]
 
-    def _make_room(self, size: int) -> None:
-        """Delete least recently used blocks until `size` more bytes fit."""
+    def _make_room(self) -> None:
+        """Evict least recently used blocks until what the tier holds fits its capacity:
+        delete their files, or drop them before they are written."""
         while True:
             with self._lock:
-                if not self._index or self.used_bytes + size <= self.capacity_bytes:
+                if not self._index or self.used_bytes <= self.capacity_bytes:
                     return
-                victim, victim_size = self._index.popitem(last=False)
-                self.used_bytes -= victim_size
+                victim = next(iter(self._index))
+                self._forget(victim)
                 self.stats.evictions += 1
-                self._event(False, victim)
+                if self._pending.pop(victim, None) is not None:
+                    self._wanted.discard(victim)
+                    self._lock.notify_all()
+                    continue
             self._path(victim).unlink(missing_ok=True)
 
     def _read(self, block_hash: int) -> None:
@@ -381,14 +451,10 @@ class DiskTier:
                 return
             if block is None:
                 del self._loaded[block_hash]
-                size = self._index.pop(block_hash, None)
-                if size is not None:
-                    self.used_bytes -= size
-                    self._event(False, block_hash)
+                self._forget(block_hash)
                 self.stats.corrupt += not vanished
             else:
-                self._keep(block_hash, block)
-                self._index.move_to_end(block_hash)
+                self._keep(block_hash, block)  # its place in the index: when it is taken
                 self.stats.loads += 1
                 self.stats.load_bytes += block[1].nbytes
                 self.stats.load_seconds += time.perf_counter() - start
@@ -455,7 +521,7 @@ class DiskTier:
         for _, block_hash, size in sorted(found):
             self._index[block_hash] = size
             self.used_bytes += size
-        self._make_room(0)
+        self._make_room()
         if self._index:
             logger.info(
                 "KV offload: %d blocks (%.2f GiB) recovered from %s",

@@ -1,7 +1,10 @@
 """The disk tier on a real colocated worker (the default model): with a pool too small for
 four conversations, greedy tokens equal a worker whose pool holds everything, the repeats are
 served from disk (its counters say so), no block leaks, the metrics pass promtool, and a
-worker started again on the same folder finds the blocks its predecessor wrote."""
+worker started again on the same folder finds the blocks its predecessor wrote. In 1P+1D,
+the decode worker's tier counts as cached, the prefill worker serves a transfer from blocks
+it loaded back (also under a --no-kv-events coordinator), the router follows the tiers, and
+a shared folder carries a conversation to another worker."""
 
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ def _run(service: RunningService, rounds=ROUNDS) -> list[list[int]]:
     return [_generate(service.grpc, prompt) for prompts in rounds for prompt in prompts]
 
 
-def _settled(service: RunningService, name: str, at_least: float) -> float:
+def _settled(service: RunningService, name: str, at_least: float, **labels: str) -> float:
     deadline = time.monotonic() + 10  # counters trail the engine by a step
-    while (value := service.metric(name)) < at_least and time.monotonic() < deadline:
+    while (value := service.metric(name, **labels)) < at_least and time.monotonic() < deadline:
         time.sleep(0.05)
     return value
 
@@ -162,3 +165,54 @@ def test_shared_tier_carries_a_conversation_to_another_worker(tmp_path):
         assert cached == [len(HISTORIES[0])] * len(prompts)
         assert second.metric("pdserve_kv_offload_hits_total", tier="shared") > 0
         assert second.free_blocks() == second.metric("pdserve_kv_cache_num_blocks")
+
+
+def _ask(address: str, token_ids: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt tokens the prefill found cached."""
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        request = generate_pb2.GenerateRequest(
+            token_ids=token_ids,
+            sampling=generate_pb2.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        )
+        responses = list(stub.Generate(request, timeout=120))
+    return [t for r in responses for t in r.token_ids], responses[-1].usage.cached_tokens
+
+
+def test_prefill_worker_serves_a_transfer_from_blocks_it_loaded_back(tmp_path):
+    """Prefill with a 16-block pool and a disk tier; decode with a 16-block pool and no
+    tier, so it keeps no copy of its own. A conversation is prefilled, pushed out of both
+    pools by the three others, then asked again: the prefill worker loads its history back
+    from its tier and the decode worker pulls every block of it from there, with the first
+    run's tokens. A second coordinator in --no-kv-events mode serves the same setup."""
+    small = [*ARGS, "--kv-cache-tokens", "256"]
+    prompt, others = ROUNDS[0][0], ROUNDS[0][1:]
+    with (
+        running("prefill", *small, "--kv-offload-dir", str(tmp_path)) as prefill,
+        running("decode", *small) as decode,
+        running(
+            "coordinator", f"--prefill-workers={prefill.grpc}", f"--decode-workers={decode.grpc}"
+        ) as coordinator,
+        running(
+            "coordinator", "--no-kv-events",
+            f"--prefill-workers={prefill.grpc}", f"--decode-workers={decode.grpc}",
+        ) as blind,
+    ):  # fmt: skip
+        first, cached = _ask(coordinator.grpc, prompt)
+        assert cached == 0
+        for other in others:  # 21 blocks more: the conversation leaves both 16-block pools
+            _ask(coordinator.grpc, other)
+        for address in (coordinator.grpc, blind.grpc):
+            hits = _settled(prefill, "pdserve_kv_offload_hits_total", 0)
+            pulled = _settled(decode, "pdserve_kv_transfer_blocks_total", 0, direction="receive")
+            again, cached = _ask(address, prompt)
+            assert again == first
+            assert cached == len(HISTORIES[0])  # the history came back from the tier
+            assert _settled(prefill, "pdserve_kv_offload_hits_total", hits + 1) > hits
+            after = _settled(decode, "pdserve_kv_transfer_blocks_total", pulled + 7,
+                             direction="receive")  # fmt: skip
+            assert after - pulled == 7  # all of it: decode had no copy
+            for other in others:  # and out of the pools again
+                _ask(coordinator.grpc, other)
+        assert decode.free_blocks() == decode.metric("pdserve_kv_cache_num_blocks")
+        assert prefill.metric("pdserve_kv_offload_corrupt_total") == 0

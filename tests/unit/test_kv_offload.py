@@ -2,7 +2,8 @@
 least recently used blocks are deleted first, a corrupt or truncated file is a miss (never
 wrong KV), the index is recovered at restart (and only for the same layout), stores never
 wait for the disk, and the KV manager spills evicted blocks and reads them back as prefix
-hits without leaking a block."""
+hits without leaking a block. Each tier (disk, host, shared) evicts a request's chain tail
+first, after a spill, a read-back or a write-through; the tiers' consistency checks can fail."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from pdserve.common.block_hashing import block_hashes
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.kv_offload import HEADER, LOADING, DiskTier
 from pdserve.common.request import Request
@@ -232,3 +234,136 @@ def test_host_tier_hands_its_least_recently_used_block_down(tmp_path):
     host.close()  # what host memory held goes down to the disk tier
     assert disk.flush() and disk.holds(1) and disk.holds(3)
     disk.close()
+
+
+# ---- eviction by LRU on the hash chain: a conversation's tail goes first ---------------
+# Each test takes one request's real chain (block i's hash chains blocks 0..i), lets the KV
+# manager spill, read back or write through its blocks, then stores unrelated blocks into
+# the tier until some of the chain must go: what is left must be the chain's head (a block
+# whose predecessor is gone can never be a prefix hit again).
+
+CHAIN = list(range(700, 721))  # 5 full blocks and a token
+OTHER = list(range(900, 921))
+
+
+def _tiered(tmp_path, kind: str, blocks: int) -> tuple[KVCacheManager, torch.Tensor]:
+    """A 6-block pool over a `kind` tier ("disk", "host" or "shared") of `blocks` blocks."""
+    from pdserve.common.kv_host_tier import HostTier
+
+    cache = torch.zeros((6, *SHAPE))
+    kv = KVCacheManager(6, BS)
+    if kind == "host":
+        kv.attach_host_tier(HostTier(blocks * cache[0].nbytes, SHAPE, cache.dtype, False), cache)
+    elif kind == "disk":
+        kv.attach_tier(_tier(tmp_path, blocks=blocks), cache)
+    else:
+        kv.attach_shared_tier(_tier(tmp_path, blocks=blocks, shared=True), cache)
+    return kv, cache
+
+
+def _press(tier, n: int) -> None:
+    """Store `n` unrelated blocks, each then the most recently used."""
+    for h in range(1, n + 1):
+        tier.store(h, [h] * BS, _kv(h))
+    assert tier.flush()
+
+
+def _chain_held(tier, tokens: list[int]) -> list[int]:
+    """The positions of the chain's blocks the tier still holds."""
+    return [i for i, h in enumerate(block_hashes(tokens, BS)) if tier.holds(h)]
+
+
+@pytest.mark.parametrize("kind", ["disk", "host"])
+def test_first_spill_keeps_the_chains_head(tmp_path, kind):
+    """The pool evicts a finished request's blocks tail first, and the tier stores them in
+    that order: under pressure the tail goes first, the head stays a prefix hit."""
+    kv, cache = _tiered(tmp_path, kind, blocks=8)
+    _prefill(kv, cache, _request("a1", CHAIN))
+    _prefill(kv, cache, _request("b1", OTHER))  # evicts the chain's 5 full blocks: spilled
+    tier = kv.tiers[0]
+    assert _chain_held(tier, CHAIN) == [0, 1, 2, 3, 4]
+    _press(tier, 5)  # 10 blocks for 8 places: two of the chain's go
+    assert _chain_held(tier, CHAIN) == [0, 1, 2]  # still a 3-block prefix hit
+    assert tier.check_consistent() == []
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["disk", "host"])
+def test_read_back_makes_the_chains_head_the_most_recent(tmp_path, kind):
+    """A chain read back from the tier becomes its most recently used run, head last: later
+    pressure takes the blocks spilled meanwhile, then the chain's tail, never its head."""
+    kv, cache = _tiered(tmp_path, kind, blocks=10)
+    _prefill(kv, cache, _request("a1", CHAIN))
+    _prefill(kv, cache, _request("b1", OTHER))  # the chain spilled
+    # Read back: the pool's 5 blocks for it spill OTHER's blocks 4..1 first; OTHER's block 0
+    # goes last, for the prompt's last token.
+    assert _prefill(kv, cache, _request("a2", CHAIN)) == 20
+    tier = kv.tiers[0]
+    assert tier.stats.hits == 5
+    assert _chain_held(tier, OTHER) == _chain_held(tier, CHAIN) == [0, 1, 2, 3, 4]
+    _press(tier, 6)  # 16 blocks for 10 places: OTHER's 4..1, then the chain's 4 and 3
+    assert _chain_held(tier, OTHER) == [0]
+    assert _chain_held(tier, CHAIN) == [0, 1, 2]
+    assert tier.check_consistent() == []
+    tier.close()
+
+
+def test_shared_write_through_keeps_the_chains_head(tmp_path):
+    """The shared tier gets every block as the prefix cache registers it, in chunks (a
+    chunked prefill, then decode): each chunk is written tail first and the chain before it
+    made more recent still, so the whole chain is ordered tail (oldest) to head."""
+    kv, _ = _tiered(tmp_path, "shared", blocks=8)
+    request = _request("a1", CHAIN)
+    assert kv.allocate_slots(request, len(CHAIN))
+    for computed in (8, 12, 21):  # blocks 0-1, then 2, then 3-4
+        request.num_computed_tokens = computed
+        kv.cache_full_blocks(request)
+    kv.free(request)
+    tier = kv.shared_tier
+    assert tier is not None and tier.flush()
+    assert _chain_held(tier, CHAIN) == [0, 1, 2, 3, 4]
+    _press(tier, 5)
+    assert _chain_held(tier, CHAIN) == [0, 1, 2]
+    assert tier.check_consistent() == []
+    tier.close()
+
+
+def test_disk_order_is_the_order_blocks_are_stored_not_written(tmp_path):
+    """A block used again while it still waits to be written becomes the most recent then,
+    not when the disk gets to it: the block stored after it goes first."""
+    tier = _tier(tmp_path, blocks=2)
+    disk = threading.Event()
+    write = tier._write
+    tier._write = lambda h: (disk.wait(), write(h))  # type: ignore[method-assign]
+    tier.store(1, [1] * 4, _kv(1))
+    tier.store(2, [2] * 4, _kv(2))
+    tier.store(1, [1] * 4, _kv(1))  # used again, still pending
+    disk.set()
+    assert tier.flush()
+    tier.store(3, [3] * 4, _kv(3))
+    assert tier.flush()
+    assert [tier.holds(h) for h in (1, 2, 3)] == [True, False, True]
+    assert tier.check_consistent() == []
+    tier.close()
+
+
+def test_consistency_check_reports_what_is_off(tmp_path):
+    """The tiers' bookkeeping checks can fail: a file gone behind the index, a block read
+    and never taken, a host slot counted twice."""
+    from pdserve.common.kv_host_tier import HostTier
+
+    tier = _tier(tmp_path)
+    for h in (1, 2):
+        tier.store(h, [h] * 4, _kv(h))
+    assert tier.check_consistent() == []
+    (tier.folder / f"{1:016x}.kvb").unlink()
+    assert any("not on disk" in p for p in tier.check_consistent())
+    tier.lookup([2])
+    tier.wait_ready([2], 10)
+    assert any("not taken" in p for p in tier.check_consistent())
+    tier.close()
+    host = HostTier(2 * torch.empty(SHAPE).nbytes, SHAPE, torch.float32, pin=False)
+    host.store(1, [1] * 4, _kv(1))
+    assert host.check_consistent() == []
+    host._free.append(host._held[1][0])
+    assert host.check_consistent() != []

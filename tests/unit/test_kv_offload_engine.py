@@ -1,7 +1,8 @@
 """The disk tier in the engine: with a pool far too small for a multi-turn workload, greedy
 ids with the tier equal those of a pool that holds everything (bit-exact: a block read back
 is the block that was computed), the tier turns the repeats into prefix hits that the small
-pool alone misses, a block corrupted on disk is recomputed (same ids), and no block leaks."""
+pool alone misses, a block corrupted on disk is recomputed (same ids), and no block leaks:
+neither in the pool nor in any tier, whose bookkeeping adds up once the run has drained."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
+from pdserve.common.kv_offload import DiskTier
 from pdserve.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
@@ -38,18 +40,34 @@ def _host_gb(engine: LLMEngine, blocks: int) -> float:
     return blocks * engine.runner.kv_cache[0].nbytes / 2**30
 
 
-@pytest.mark.parametrize("tiers", ["disk", "host", "host+disk"])
+def _assert_tiers_drained(engine: LLMEngine) -> None:
+    """Every tier's bookkeeping adds up after the run: nothing left to write, read and not
+    taken, or looked up and not taken; a disk tier's index is the files in its folder (this
+    worker alone writes the shared one here) and its used bytes their sum; every host slot
+    is free or holds one block."""
+    for tier in engine.kv_cache.tiers:
+        assert tier.check_consistent() == [], tier
+        if isinstance(tier, DiskTier):
+            assert len(list(tier.folder.glob("*.kvb"))) == tier.num_blocks()
+        else:
+            assert len(tier._free) + tier.num_blocks() == len(tier.slab)
+
+
+@pytest.mark.parametrize("tiers", ["disk", "host", "host+disk", "shared"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tier_gives_the_unbounded_pools_ids_and_its_hits(tiny_model_dir, tmp_path, dtype, tiers):
     """Each tier setup: the disk alone; host memory big enough for everything; host memory
-    for 8 blocks that hands the rest down to the disk (both serve hits)."""
+    for 8 blocks that hands the rest down to the disk (both serve hits); a shared folder
+    that every block is written through to."""
     unbounded = _engine(tiny_model_dir, dtype, kv_cache_tokens=4096)
     expected = _run(unbounded)
     small = _engine(tiny_model_dir, dtype, kv_cache_tokens=192)
     assert _run(small) == expected
     extra: dict = {}
     if "disk" in tiers:
-        extra["kv_offload_dir"] = str(tmp_path)
+        extra["kv_offload_dir"] = str(tmp_path / "disk")
+    if "shared" in tiers:
+        extra["kv_shared_dir"] = str(tmp_path / "shared")
     if "host" in tiers:
         extra["kv_host_offload_gb"] = _host_gb(small, 8 if "disk" in tiers else 64)
     tiered = _engine(tiny_model_dir, dtype, kv_cache_tokens=192, **extra)
@@ -60,7 +78,9 @@ def test_tier_gives_the_unbounded_pools_ids_and_its_hits(tiny_model_dir, tmp_pat
     assert all(t.stats.hits > 0 for t in tiered.kv_cache.tiers), tiers
     for engine in (small, tiered):
         assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
-    tiered.close()
+    _assert_tiers_drained(tiered)
+    tiered.close()  # host memory hands its blocks down to the disk
+    _assert_tiers_drained(tiered)
 
 
 def test_corrupt_blocks_on_disk_are_recomputed(tiny_model_dir, tmp_path):
@@ -81,6 +101,7 @@ def test_corrupt_blocks_on_disk_are_recomputed(tiny_model_dir, tmp_path):
     tier = tiered.kv_cache.tier
     assert tier is not None and tier.stats.corrupt > 0
     assert tiered.kv_cache.num_free_blocks == tiered.runner.num_blocks
+    _assert_tiers_drained(tiered)
     tiered.close()
 
 
@@ -117,6 +138,7 @@ def test_preemption_swaps_or_recomputes_with_the_same_ids(tiny_model_dir, tmp_pa
         # (the prompts share nothing, so finished requests' spilled blocks are never read).
         assert kv.tier_hit_tokens == 0
     assert kv.num_free_blocks == engine.runner.num_blocks
+    _assert_tiers_drained(engine)
     engine.close()
 
 
