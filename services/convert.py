@@ -15,6 +15,7 @@ from pdserve.v1 import generate_pb2
 _DEFAULTS = SamplingParams()
 # Trailing metadata of a RESOURCE_EXHAUSTED refusal: whole seconds to wait, as HTTP's header.
 RETRY_AFTER_KEY = "retry-after"
+RETRY_AFTER_S = 1  # what a refusal that knows no better says (HTTP's 429 and gRPC alike)
 
 
 def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:

@@ -1,7 +1,8 @@
 """Step 1 of a request's path, shared by the coordinator and a colocated worker: a
 `GenerateRequest` becomes token ids, validated sampling params and a request id. Exactly one
-of prompt / messages / token_ids; chat messages go through the model's chat template; the
-prompt must fit the model's context. Every refusal names the field and the limit."""
+of prompt / messages / token_ids; chat messages (of OpenAI's roles only) go through the
+model's chat template; the prompt must fit the model's context. Every refusal names the
+field and the limit."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pdserve.services.convert import params_from_proto
 from pdserve.v1 import generate_pb2
 
 MAX_REQUEST_ID_LEN = 256
+# The chat roles OpenAI's API takes ("function", its deprecated one, is not served).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ContextLengthError(InvalidRequestError):
@@ -110,6 +113,13 @@ class Frontend:
         if request.prompt:
             prompt = request.prompt
         elif request.messages:
+            for i, m in enumerate(request.messages):
+                if m.role not in CHAT_ROLES:
+                    shown = m.role[:32] + ("..." if len(m.role) > 32 else "")
+                    raise InvalidRequestError(
+                        f"messages[{i}].role",
+                        f"must be one of {', '.join(CHAT_ROLES)}, got {shown!r}",
+                    )
             prompt = [{"role": m.role, "content": m.content} for m in request.messages]
         else:
             prompt = list(request.token_ids)

@@ -41,6 +41,18 @@ REFUSED = Counter(
     "address this worker does not know)",
     (*LABELS, "reason"),
 )
+# The status stream (`services/status.py`): its bounds at work.
+STATUS_RESYNCS = Counter(
+    "pdserve_status_resyncs",
+    "Status-stream watchers that fell a full queue of reports behind: their backlog was "
+    "dropped and a fresh snapshot sent instead",
+    LABELS,
+)
+STATUS_WATCHERS_REFUSED = Counter(
+    "pdserve_status_watchers_refused",
+    "Status-stream watchers refused (RESOURCE_EXHAUSTED): the most allowed already watch",
+    LABELS,
+)
 # Counters as vLLM shapes them (tokens); fed by deltas of the scheduler's running counts.
 PREFIX_QUERIES = Counter(
     "pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS

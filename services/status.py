@@ -8,7 +8,9 @@ is reported at once, so routers stop sending new work before the worker goes awa
 Bounded for every watcher: the interval is the worker's (`--status-interval`), a watcher
 that stops reading has at most `WATCHER_QUEUE` reports queued (past that its queue is
 emptied and its next report is a fresh snapshot, so it resyncs instead of growing), and at
-most `MAX_WATCHERS` watch at once."""
+most `MAX_WATCHERS` watch at once. Both count on /metrics (`pdserve_status_resyncs_total`,
+`pdserve_status_watchers_refused_total`). Each report carries the worker's advertised
+address, so a coordinator learns how the worker spells itself in its KV handles."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from pdserve.common.kv_host_tier import HostTier
     from pdserve.common.kv_offload import DiskTier
 
+from pdserve.services.convert import RETRY_AFTER_KEY, RETRY_AFTER_S
+from pdserve.services.metrics import STATUS_RESYNCS, STATUS_WATCHERS_REFUSED
 from pdserve.services.worker import Worker
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -49,6 +53,9 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         self._fresh: set[int] = set()  # watchers whose first report (the index) is due
         self._interval = max(MIN_INTERVAL_S, interval_s)
         self.resyncs = 0  # lagging watchers sent a fresh snapshot instead of a backlog
+        labels = worker.metrics.labels
+        self._resync_count = STATUS_RESYNCS.labels(**labels)
+        self._refused_count = STATUS_WATCHERS_REFUSED.labels(**labels)
         self._wake = asyncio.Event()
         self.draining = False
         self._task: asyncio.Task[None] | None = None
@@ -78,9 +85,11 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
     ) -> AsyncIterator[worker_pb2.WatchResponse]:
         # request.interval_s is not honoured: one watcher must not set everyone's rate.
         if len(self._watchers) >= MAX_WATCHERS:
+            self._refused_count.inc()
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this worker already has {MAX_WATCHERS} status watchers",
+                trailing_metadata=((RETRY_AFTER_KEY, str(RETRY_AFTER_S)),),
             )
         key = id(context)
         queue: asyncio.Queue[worker_pb2.WatchResponse | None] = asyncio.Queue(WATCHER_QUEUE)
@@ -122,6 +131,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                     group_size=self.worker.group_size,
                     block_size=self.block_size,
                     draining=self.draining,
+                    address=self.worker.address,
                     **load,
                 )
                 if key in fresh:
@@ -141,6 +151,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                         queue.get_nowait()
                     self._fresh.add(key)
                     self.resyncs += 1
+                    self._resync_count.inc()
                     self._wake.set()
                 else:
                     queue.put_nowait(report)

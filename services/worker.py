@@ -185,12 +185,14 @@ def gather_ranks(worker_id: str, address: str, metrics_port: int | None) -> list
 
 
 def advertised_address(flag: str | None, host: str, port: int) -> str:
-    """Where peers reach this worker: a wildcard listen address is no address to call."""
+    """Where peers reach this worker: a wildcard listen address is no address to call, and
+    an IPv6 one is written `[ip]:port` (as gRPC and discovery write it)."""
     if flag:
         return flag
+    host = host.strip("[]")
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())
-    return f"{host}:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namespace) -> list[str]:

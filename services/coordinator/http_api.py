@@ -27,6 +27,8 @@ from starlette.exceptions import HTTPException
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.services.auth import ApiKeys
+from pdserve.services.convert import RETRY_AFTER_S
+from pdserve.services.coordinator.metrics import HTTP_TOO_LARGE
 from pdserve.services.coordinator.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.services.coordinator.openai_responses import (
     Choice,
@@ -50,7 +52,6 @@ HTTP_STATUS = {
     grpc.StatusCode.FAILED_PRECONDITION: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-RETRY_AFTER_S = 1
 # An idle keep-alive connection is closed by the client first: a server that closes it at
 # the moment a client reuses it resets that request (clients expire theirs after 5 s, as
 # httpx and Node do, or 15 s as aiohttp does; this is nginx's default).
@@ -143,7 +144,9 @@ class OpenAIServer:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
+        app.add_middleware(
+            BodyLimit, max_bytes=self.max_body_bytes, labels=self.coordinator.metric_labels
+        )
 
         @app.exception_handler(ApiError)
         async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -395,8 +398,9 @@ class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets 413, by its Content-Length
     before anything is read, or as soon as the bytes read pass the limit."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, labels: dict[str, str]) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.refused = HTTP_TOO_LARGE.labels(**labels)  # 0 from the start: rate() works
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -410,6 +414,7 @@ class BodyLimit:
         )
         length = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
+            self.refused.inc()
             await too_large.response()(scope, receive, send)
             return
         seen = 0
@@ -417,8 +422,11 @@ class BodyLimit:
         async def counted() -> dict:
             nonlocal seen
             message = await receive()
+            if seen > self.max_bytes:  # counted already; a handler reading on
+                raise HTTPException(413, too_large.message)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
+                self.refused.inc()
                 raise HTTPException(413, too_large.message)
             return message
 

@@ -25,6 +25,7 @@ from pdserve.services.coordinator.router import (
     RouterWeights,
     WorkerState,
 )
+from pdserve.services.decode.prefill_peers import valid_address
 from pdserve.services.tls import internal_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -47,6 +48,10 @@ class WorkerEndpoint(WorkerState):
     stub: Any = None
     channel: grpc.aio.Channel | None = None
     monitor: asyncio.Task[None] | None = field(default=None, repr=False)
+    # Where the worker says peers reach it (its status reports' `address`): what its KV
+    # handles name, which may be spelled otherwise than the address dialled. "" until known.
+    advertised: str = ""
+    refused_address: str = field(default="", repr=False)  # an advertised one not taken
 
 
 class WorkerPool:
@@ -81,6 +86,9 @@ class WorkerPool:
         self.on_connect: Callable[[WorkerEndpoint], Awaitable[None]] | None = None
         # Called whenever discovery changes the pool's membership.
         self.on_change: Callable[[], None] | None = None
+        # Called when a worker's advertised address is first known or changes, before the
+        # report carrying it is applied (so before the worker is routable); must not raise.
+        self.on_advertised: Callable[[WorkerEndpoint], Awaitable[None]] | None = None
 
     @property
     def policy(self) -> str:
@@ -245,6 +253,7 @@ class WorkerPool:
                 reports = aiter(call)
                 while True:
                     report = await asyncio.wait_for(anext(reports), STALE_AFTER_S)
+                    await self._learn_address(worker, report.address)
                     self._apply(worker, report)
                     backoff = BACKOFF_S[0]
             except (grpc.aio.AioRpcError, TimeoutError, StopAsyncIteration) as e:
@@ -258,6 +267,21 @@ class WorkerPool:
                     index.remove_worker(worker.address)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_S[1])
+
+    async def _learn_address(self, worker: WorkerEndpoint, address: str) -> None:
+        if not address or address == worker.advertised:
+            return
+        if not valid_address(address):  # it could not be named to anyone
+            if worker.refused_address != address:  # said once, not on every report
+                worker.refused_address = address
+                logger.warning(
+                    "%s worker %s advertises %r, not a host:port; using the address dialled",
+                    self.role, worker.address, address[:300],
+                )  # fmt: skip
+            return
+        worker.advertised = address
+        if self.on_advertised is not None:
+            await self.on_advertised(worker)
 
     def _apply(self, worker: WorkerEndpoint, report: worker_pb2.WatchResponse) -> None:
         was = worker.routable

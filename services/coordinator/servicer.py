@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.services.convert import RETRY_AFTER_KEY
+from pdserve.services.convert import RETRY_AFTER_KEY, RETRY_AFTER_S
 from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -27,7 +27,10 @@ class CoordinatorServicer(generate_pb2_grpc.GenerateServiceServicer):
             async for response in responses:
                 yield response
         except RequestFailed as e:
-            trailer = ((RETRY_AFTER_KEY, str(e.retry_after_s)),) if e.retry_after_s else ()
+            retry = e.retry_after_s
+            if retry is None and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                retry = RETRY_AFTER_S  # as HTTP's 429: a refusal always says when to retry
+            trailer = ((RETRY_AFTER_KEY, str(retry)),) if retry else ()
             await context.abort(e.code, e.message, trailing_metadata=trailer)
         finally:
             await responses.aclose()

@@ -21,7 +21,13 @@ from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_transfer import KvTransferError, settled
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
-from pdserve.services.convert import logprobs_to_proto, resume_from_proto, worker_request
+from pdserve.services.convert import (
+    RETRY_AFTER_KEY,
+    RETRY_AFTER_S,
+    logprobs_to_proto,
+    resume_from_proto,
+    worker_request,
+)
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
 from pdserve.services.decode.prefill_peers import PrefillPeers, UnknownPrefillWorker
 from pdserve.services.worker import Worker
@@ -39,6 +45,9 @@ class PullFailed(RuntimeError):
         super().__init__(message)
         self.code = code
 
+
+# A refusal for want of room here: when to retry (the coordinator relays it).
+_RETRY_SOON = ((RETRY_AFTER_KEY, str(RETRY_AFTER_S)),)
 
 # What prefill's refusal of a pull becomes here: about the handle, not about this worker.
 _REFUSALS = {
@@ -61,9 +70,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.SetPrefillWorkersRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.SetPrefillWorkersResponse:
         try:
-            self.peers.set_named(request.coordinator_id, request.addresses)
+            taken = self.peers.set_named(
+                request.coordinator_id, request.addresses, request.generation
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if taken:  # in force once this returns: its host names' addresses too
+            await self.peers.resolve_new()
         return decode_pb2.SetPrefillWorkersResponse()
 
     def _housekeeping(self) -> None:
@@ -99,7 +112,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         engine = loop.engine
         rid = request.request_id
         try:
-            self.peers.stub(request.kv_handle.grpc_address)  # before anything is held
+            # Before anything is held, and before any connection to the named address.
+            await self.peers.admit(request.kv_handle.grpc_address)
         except UnknownPrefillWorker as e:
             self.worker.metrics.refused("unknown_prefill_worker")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
@@ -120,7 +134,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 admitted = await loop.call(lambda: self.admission.submit(req))
             except AdmissionQueueFull as e:
                 self.worker.metrics.refused("max_pending")
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=_RETRY_SOON
+                )
             # Waiting for blocks past the prefill lease would only pull from nothing.
             lease_left = request.kv_handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
             try:
@@ -132,6 +148,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     "this decode worker had no free KV blocks or batch slot before the "
                     "prefill lease ran out; retry later or elsewhere",
+                    trailing_metadata=_RETRY_SOON,
                 )
             try:
                 pulled = await self._pull(req, request.kv_handle, num_cached, span)
@@ -233,7 +250,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         w = self.worker
         transport = w.transport
         assert transport is not None
-        stub = self.peers.stub(handle.grpc_address)
+        try:  # admitted on arrival; its pool may have changed while it waited for blocks
+            stub = self.peers.stub(handle.grpc_address)
+        except UnknownPrefillWorker as e:
+            raise PullFailed(str(e), grpc.StatusCode.FAILED_PRECONDITION) from None
         total = len(handle.block_ids)
         if num_cached >= total:  # everything is cached here: let prefill free its copy
             try:

@@ -310,6 +310,45 @@ def test_a_kv_handle_naming_an_unknown_address_is_refused_without_connecting(clu
     )
 
 
+@pytest.mark.parametrize("host", ["localhost", "0.0.0.0"])
+def test_a_prefill_worker_dialled_under_another_spelling_still_hands_off(cluster, offline, host):
+    """The coordinator dials the prefill worker as `localhost:PORT` (or `0.0.0.0:PORT`, as
+    `serve --host 0.0.0.0` names it) while the worker advertises `127.0.0.1:PORT` in its KV
+    handles: a fresh decode worker, told the pool by that coordinator alone, takes the
+    handles (the coordinator names the advertised address it learned from the status
+    stream; a host name also stands for what it resolves to), and the answer is the offline
+    engine's. A forged address is still refused."""
+    prefill = cluster["prefill"]
+    port = prefill.grpc.rsplit(":", 1)[1]
+    assert prefill.grpc == f"127.0.0.1:{port}"  # what its handles carry
+    with (
+        running("decode", *WORKER_ARGS) as decode,
+        running(
+            "coordinator", "--prefill-workers", f"{host}:{port}", "--decode-workers", decode.grpc
+        ) as coordinator,
+    ):
+        before = decode.free_blocks()
+        with grpc.insecure_channel(coordinator.grpc) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            q = QUESTIONS[0]
+            out = collect(stub.Generate(generate_pb2.GenerateRequest(
+                messages=chat(q), sampling=greedy()), timeout=120))  # fmt: skip
+        assert out["token_ids"] == offline[q]
+        assert decode.metric("pdserve_kv_transfer_blocks_total", direction="receive") > 0
+        assert decode.metric("pdserve_requests_refused_total", reason="unknown_prefill_worker") == 0
+        with grpc.insecure_channel(decode.grpc) as channel:  # the door stays shut to others
+            forged = kv_pb2.KvHandle(
+                lease_id="x", grpc_address=f"127.0.0.1:{int(port) + 1}",
+                transport_address=b"x", transport="ucx",
+            )  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                list(decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode_pb2.DecodeRequest(
+                    request_id="forged", prompt_token_ids=[1, 2], sampling=greedy(),
+                    kv_handle=forged), timeout=30))  # fmt: skip
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert wait_free(decode, before) == before
+
+
 def test_two_clients_may_use_the_same_request_id(cluster, offline):
     q = QUESTIONS[0]
 

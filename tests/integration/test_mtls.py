@@ -1,9 +1,10 @@
 """Service-to-service mTLS with real processes: a prefill, a decode and a coordinator that
 share a throwaway CA (`make_throwaway`, as `serve --internal-tls` makes it). Requests go
-end to end (the KV handoff included) with the same greedy tokens as without TLS; a worker
-refuses a caller without a certificate, with a certificate of another CA, or over plain
-text; probes get SERVING on the plain health port, which serves nothing else; the public
-port stays plain and keyless; `serve --internal-tls` comes up on the same path."""
+end to end (the KV handoff included) with the same greedy tokens as without TLS; every
+worker port that takes work (prefill, decode, colocated) refuses a caller without a
+certificate, with a certificate of another CA, or over plain text; probes get SERVING on
+the plain health port, which serves nothing else; the public port stays plain and keyless;
+`serve --internal-tls` comes up on the same path."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.tls import make_throwaway
-from pdserve.v1 import generate_pb2, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services import start
 
 pytestmark = pytest.mark.slow
@@ -78,20 +86,50 @@ def test_requests_go_end_to_end_over_mtls(cluster):
         without.stop()
 
 
-def test_workers_refuse_callers_without_the_cas_certificate(cluster, certs, tmp_path):
-    address = cluster["prefill"].grpc
+def decode_call(channel) -> grpc.RpcError:
+    stub = decode_pb2_grpc.DecodeServiceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Decode(decode_pb2.DecodeRequest(request_id="x", prompt_token_ids=[1, 2]),
+                         timeout=5))  # fmt: skip
+    return err.value
+
+
+def generate_call(channel) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        ask(generate_pb2_grpc.GenerateServiceStub(channel))
+    return err.value
+
+
+def assert_refuses_strangers(address: str, call, certs, stranger) -> None:
+    """Plain text, TLS without a client certificate, and a certificate of another CA: each
+    is refused before the call reaches the service."""
     with grpc.insecure_channel(address) as plain:
-        assert prefill_call(plain).code() == grpc.StatusCode.UNAVAILABLE
+        assert call(plain).code() == grpc.StatusCode.UNAVAILABLE, address
     options = certs.channel_options()
     no_cert = grpc.ssl_channel_credentials(certs.ca.read_bytes())
     with grpc.secure_channel(address, no_cert, options=options) as anonymous:
-        assert prefill_call(anonymous).code() == grpc.StatusCode.UNAVAILABLE
-    stranger = make_throwaway(tmp_path / "stranger")  # same name, another CA
+        assert call(anonymous).code() == grpc.StatusCode.UNAVAILABLE, address
     foreign = grpc.ssl_channel_credentials(
         certs.ca.read_bytes(), stranger.key.read_bytes(), stranger.cert.read_bytes()
     )
     with grpc.secure_channel(address, foreign, options=options) as impostor:
-        assert prefill_call(impostor).code() == grpc.StatusCode.UNAVAILABLE
+        assert call(impostor).code() == grpc.StatusCode.UNAVAILABLE, address
+
+
+def test_workers_refuse_callers_without_the_cas_certificate(cluster, certs, tmp_path):
+    stranger = make_throwaway(tmp_path / "stranger")  # same name, another CA
+    assert_refuses_strangers(cluster["prefill"].grpc, prefill_call, certs, stranger)
+    assert_refuses_strangers(cluster["decode"].grpc, decode_call, certs, stranger)
+    colocated = start("colocated", *WORKER_ARGS, env=certs.env())
+    try:
+        assert_refuses_strangers(colocated.grpc, generate_call, certs, stranger)
+        options = certs.channel_options()
+        with grpc.secure_channel(colocated.grpc, certs_credentials(certs), options=options) as ch:
+            assert ask(generate_pb2_grpc.GenerateServiceStub(ch))  # a member gets through
+    finally:
+        colocated.stop()
+    address = cluster["prefill"].grpc
+    options = certs.channel_options()
     with grpc.secure_channel(address, certs_credentials(certs), options=options) as member:
         stub = prefill_pb2_grpc.PrefillServiceStub(member)  # a member gets through
         reply = stub.Prefill(

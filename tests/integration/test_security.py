@@ -154,6 +154,11 @@ BAD_FIELDS = [
     ({"temperature": 1e300}, "temperature"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
     ({"messages": [{"role": "\udc00", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "hacker", "content": "hi"}]}, "messages[0].role"),  # OpenAI's 400
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "User", "content": "x"}]},
+        "messages[1].role",
+    ),
     ({"request_id": "r" * 300}, "request_id"),
 ]
 
@@ -196,6 +201,12 @@ def test_grpc_bad_values_are_invalid_argument(cluster):
                 token_ids(stub, greedy_request(**sampling))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, sampling
             assert err.value.details().startswith(field), err.value.details()
+        request = greedy_request()
+        request.messages.add(role="hacker", content="hi")  # not one of OpenAI's roles
+        with pytest.raises(grpc.RpcError) as err:
+            token_ids(stub, request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("messages[1].role"), err.value.details()
 
 
 def test_oversized_bodies_and_prompts_are_refused_before_any_work(cluster, http):

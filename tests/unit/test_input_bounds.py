@@ -138,13 +138,33 @@ def test_a_chat_template_refusal_is_a_bad_request(default_model_dir, tmp_path) -
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
-        "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
+        "{{ raise_exception('unsupported role ' + m.role) }}{% endif %}{{ m.content }}"
+        "{% endfor %}"
     )
     frontend = Frontend(tokenizer, 49152, 64)
-    bad = generate_pb2.GenerateRequest(messages=[generate_pb2.ChatMessage(role="x", content="a")])
+    bad = generate_pb2.GenerateRequest(
+        messages=[generate_pb2.ChatMessage(role="tool", content="a")]  # OpenAI's; not this model's
+    )
     with pytest.raises(InvalidRequestError) as e:
         frontend.parse(bad)
-    assert e.value.field == "messages" and "unknown role x" in str(e.value)
+    assert e.value.field == "messages" and "unsupported role tool" in str(e.value)
+
+
+@pytest.mark.parametrize("role", ["hacker", "", "User", "function", "x" * 1000])
+def test_roles_outside_openais_are_refused_naming_the_message(frontend, role) -> None:
+    messages = [generate_pb2.ChatMessage(role="system", content="Be brief."),
+                generate_pb2.ChatMessage(role=role, content="hi")]  # fmt: skip
+    with pytest.raises(InvalidRequestError) as e:
+        frontend.parse(generate_pb2.GenerateRequest(messages=messages))
+    assert e.value.field == "messages[1].role"
+    assert "system, developer, user, assistant, tool" in str(e.value)
+    assert len(str(e.value)) < 200  # a long role is not echoed whole
+
+
+def test_every_openai_role_is_taken(frontend) -> None:
+    for role in ("system", "developer", "user", "assistant", "tool"):
+        messages = [generate_pb2.ChatMessage(role=role, content="hi")]
+        assert frontend.parse(generate_pb2.GenerateRequest(messages=messages)).token_ids
 
 
 def test_parse_async_tokenizes_off_the_event_loop(frontend) -> None:

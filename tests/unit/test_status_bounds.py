@@ -1,8 +1,9 @@
 """A worker's status stream stays bounded whatever its watchers do: the report interval is
 the worker's (a watcher asking for another changes nothing), a watcher that stops reading
 holds at most `WATCHER_QUEUE` reports and then gets a fresh snapshot instead of a backlog,
-and at most `MAX_WATCHERS` watch at once. A stand-in worker; the real twin is every
-integration test's coordinator watching real workers."""
+and at most `MAX_WATCHERS` watch at once; resyncs and refused watchers are counted on
+/metrics, and every report names the worker's advertised address. A stand-in worker; the
+real twin is every integration test's coordinator watching real workers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from pdserve.services import status
 from pdserve.services.status import StatusHub
@@ -42,8 +44,17 @@ def fake_worker() -> SimpleNamespace:
     loop.engine = engine  # type: ignore[attr-defined]
     return SimpleNamespace(
         loop=loop, worker_id="w", role="prefill", group="", group_rank=0, group_size=1,
-        metrics=SimpleNamespace(extra_waiting=0),
+        address="10.0.0.7:50061", metrics=SimpleNamespace(extra_waiting=0, labels=LABELS),
     )  # fmt: skip
+
+
+LABELS = {"model": "m", "role": "prefill", "worker": "status-bounds"}
+
+
+def counted(name: str) -> float:
+    value = REGISTRY.get_sample_value(name, LABELS)
+    assert value is not None, name  # exported from the hub's start, at 0
+    return value
 
 
 class Aborted(Exception):
@@ -51,8 +62,8 @@ class Aborted(Exception):
 
 
 class Context:
-    async def abort(self, code, details):
-        raise Aborted(code, details)
+    async def abort(self, code, details, trailing_metadata=()):
+        raise Aborted(code, details, trailing_metadata)
 
 
 def test_interval_is_the_workers_and_a_lagging_watcher_resyncs(monkeypatch) -> None:
@@ -60,14 +71,17 @@ def test_interval_is_the_workers_and_a_lagging_watcher_resyncs(monkeypatch) -> N
 
     async def main() -> None:
         hub = StatusHub(fake_worker(), interval_s=0.05)  # type: ignore[arg-type]
+        resyncs = counted("pdserve_status_resyncs_total")
         hub.start()
         lagging = hub.Watch(worker_pb2.WatchRequest(interval_s=0.001), Context())
         first = await anext(lagging)
         assert first.reset and list(first.stored) == [11, 22]
+        assert first.address == "10.0.0.7:50061"  # how its KV handles spell it
         assert hub._interval == 0.05  # the watcher's 1 ms was not taken
         await asyncio.sleep(0.8)  # ~16 reports were due; the watcher read none
         [queue] = hub._watchers.values()
         assert queue.qsize() <= 4 and hub.resyncs >= 1
+        assert counted("pdserve_status_resyncs_total") == resyncs + hub.resyncs
         for _ in range(8):  # its backlog was dropped: a fresh snapshot comes soon
             report = await asyncio.wait_for(anext(lagging), 1.0)
             if report.reset:
@@ -84,6 +98,7 @@ def test_watchers_are_capped(monkeypatch) -> None:
 
     async def main() -> None:
         hub = StatusHub(fake_worker(), interval_s=0.05)  # type: ignore[arg-type]
+        refused = counted("pdserve_status_watchers_refused_total")
         hub.start()
         streams = [hub.Watch(worker_pb2.WatchRequest(), Context()) for _ in range(3)]
         await anext(streams[0])
@@ -91,6 +106,8 @@ def test_watchers_are_capped(monkeypatch) -> None:
         with pytest.raises(Aborted) as e:
             await anext(streams[2])
         assert e.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.args[2] == (("retry-after", "1"),)
+        assert counted("pdserve_status_watchers_refused_total") == refused + 1
         for s in streams[:2]:
             await s.aclose()
         assert not hub._watchers
