@@ -6,6 +6,13 @@ bandwidth each reaches, beside the machine's memory-read rate measured in the sa
 float32 `sum` over 1 GiB, best of 5) and the weight-read floor it gives a step. Prints one
 JSON object.
 
+`floors` puts each engine step beside what the hardware allows for it, measured in the same
+run: the memory floor (the whole model's weights read once per step, lm_head included, plus
+the batch's KV cache, at the memory-read rate) and the compute floor (the step's matmul FLOPs
+at the best bf16/fp32 matmul rate measured: a 2048³ `mm`, and the 120 linears at 512 rows on
+the fast path); `step_over_floor` is the step's time over the larger of the two (issue
+target: within 1.5x at batch 1, 16 and 64).
+
     .venv/bin/python benchmarks/decode_step.py [--threads 2] [--dtype bfloat16]
 """
 
@@ -55,6 +62,65 @@ def time_linears(rows: int, dtype: torch.dtype, repeat: int = 5) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def matmul_gflops(dtype: torch.dtype) -> dict[str, float]:
+    """The machine's matmul rate: a 2048³ `mm`, and the 120 linears at 512 rows (fast path)."""
+    a = torch.randn(2048, 2048).to(dtype)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(3):
+        a @ a
+    mm = 3 * 2 * 2048**3 / (time.perf_counter() - start) / 1e9
+    os.environ[invariant_gemm.INVARIANT_ENV] = "0"
+    rows = 512
+    linears = 2 * rows * sum(n * k for n, k in SHAPES) * 30 / time_linears(rows, dtype, 2) / 1e9
+    os.environ.pop(invariant_gemm.INVARIANT_ENV)
+    return {"mm_2048": round(mm, 1), "linears_512_rows": round(linears, 1)}
+
+
+def model_shape(model_dir: str) -> dict[str, int]:
+    """Per decode token: the weights a step reads (every layer's dense weights and lm_head)
+    and the KV bytes per context token, from the model's config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    h, i, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return {
+        "dense_weights": layers * per_layer + c.vocab_size * h,
+        "kv_elements_per_token": layers * 2 * kv,
+    }
+
+
+def floors(
+    steps_ms: dict[str, float],
+    shape: dict[str, int],
+    context: int,
+    itemsize: int,
+    read_gb_s: float,
+    gflops: float,
+) -> dict[str, Any]:
+    out = {}
+    for batch, ms in steps_ms.items():
+        b = int(batch)
+        weight_ms = shape["dense_weights"] * itemsize / read_gb_s / 1e6
+        kv_ms = b * context * shape["kv_elements_per_token"] * itemsize / read_gb_s / 1e6
+        compute_ms = 2 * b * shape["dense_weights"] / gflops / 1e6
+        floor = max(weight_ms + kv_ms, compute_ms)
+        out[batch] = {
+            "step_ms": ms,
+            "weight_read_floor_ms": round(weight_ms, 2),
+            "memory_floor_ms": round(weight_ms + kv_ms, 2),
+            "compute_floor_ms": round(compute_ms, 2),
+            "step_over_floor": round(ms / floor, 2),
+        }
+    return out
+
+
+CONTEXT = 200  # prompt tokens of every sequence in the engine steps
+
+
 def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, float]:
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine import LLMEngine
@@ -66,7 +132,7 @@ def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, floa
     out = {}
     for batch in batches:
         for _ in range(batch):
-            engine.add_request([rng.randrange(100, 49000) for _ in range(200)], params)
+            engine.add_request([rng.randrange(100, 49000) for _ in range(CONTEXT)], params)
         while engine.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
         ):
@@ -110,6 +176,17 @@ def main() -> int:
         steps[name] = engine_steps(batches, args.threads, args.dtype)
     os.environ.pop(invariant_gemm.INVARIANT_ENV)
     ratios = {b: round(steps["invariant"][b] / steps["fast"][b], 3) for b in steps["fast"]}
+    from pdserve.common.model_files import resolve_model
+
+    shape = model_shape(str(resolve_model(None)))
+    rates = matmul_gflops(dtype)
+    best_rate = max(rates.values())
+    # The 15 timed steps run 1-16 tokens past the prompt: their middle.
+    ctx = CONTEXT + 8
+    step_floors = {
+        name: floors(times, shape, ctx, dtype.itemsize, read, best_rate)
+        for name, times in steps.items()
+    }
     print(
         json.dumps(
             {
@@ -123,6 +200,11 @@ def main() -> int:
                 "linears_120": linears,
                 "engine_decode_step_ms_by_batch": steps,
                 "invariant_over_fast_step_time": ratios,
+                "matmul_gflops": rates,
+                "model_weights_read_per_step_mb": round(
+                    shape["dense_weights"] * dtype.itemsize / 1e6, 1
+                ),
+                "floors": step_floors,
             },
             indent=2,
         )

@@ -68,7 +68,10 @@ prefills them. Where the goodput line leaves the diagonal is the system's usable
 under these SLOs.
 
 `summary.pdserve_over_vllm` holds the ratio of the best pdserve mode's best goodput to the
-better vLLM setting's.
+better vLLM setting's. `--extra-slo 1:0.05,2:0.1` scores the same requests under more SLO
+pairs: each rate's `goodput_at`, each system's `goodput_sum_rps` (summed over the rates) and
+`goodput_sum_ratios` ("pdserve@1:0.05 / vllm@2:0.1": pdserve's best at a tight SLO over
+vLLM's best at a loose one).
 
     .venv/bin/python benchmarks/serve.py > serve.json      # ~10 min per system on 2 cores
     .venv/bin/python benchmarks/serve.py --quick           # ~3 minute smoke run per system
@@ -154,6 +157,35 @@ def int_range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX: {text}")
     return lo, hi
+
+
+def slo_list(text: str) -> list[tuple[float, float]]:
+    """ "TTFT:TPOT[,TTFT:TPOT...]" in seconds, e.g. "1:0.05,2:0.1"."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            ttft, tpot = (float(x) for x in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: want TTFT:TPOT in seconds") from None
+        if ttft <= 0 or tpot <= 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: both must be > 0")
+        out.append((ttft, tpot))
+    return out
+
+
+def slo_label(ttft: float, tpot: float) -> str:
+    return f"{ttft:g}:{tpot:g}"
+
+
+def goodput_at(
+    records: list[Record], window_s: float, slos: list[tuple[float, float]]
+) -> dict[str, float]:
+    """Goodput (req/s meeting both) of the same requests under each (TTFT, TPOT) pair."""
+    done = [r for r in records if r.ok]
+    return {
+        slo_label(t, p): round(sum(r.ttft <= t and r.tpot <= p for r in done) / window_s, 4)
+        for t, p in slos
+    }
 
 
 def default_systems() -> str:
@@ -392,6 +424,7 @@ def bench_system(
             before = CpuSample.take(pid)
             records = asyncio.run(run_rate(base_url, model, system, rate, specs, window, args))
             summary = summarize(rate, records, window, args.slo_ttft, args.slo_tpot)
+            summary["goodput_at"] = goodput_at(records, window, all_slos(args))
             summary["cpu"] = CpuSample.take(pid).since(before)
             rates.append(summary)
             log(
@@ -549,6 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("SLOs (chosen for 2 CPU cores and a 135M model; see docstring)")
     s.add_argument("--slo-ttft", type=float, default=4.0, help="time to first token, seconds")
     s.add_argument("--slo-tpot", type=float, default=0.25, help="time per output token, seconds")
+    s.add_argument(
+        "--extra-slo",
+        type=slo_list,
+        default="",
+        metavar="TTFT:TPOT,...",
+        help="more SLO pairs (seconds) to score the same requests by, e.g. 1:0.05,2:0.1: "
+        "each rate's goodput_at and the summary's goodput sums over the rates",
+    )
     o = p.add_argument_group("output")
     o.add_argument(
         "--out-dir",
@@ -625,6 +666,7 @@ def main() -> int:
             "kv_cache_gb": args.kv_cache_gb,
         },
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        "extra_slos": [slo_label(t, p) for t, p in args.extra_slo],
         "summary": summary(results),
         "systems": results,
         "plot": plot_file,
@@ -634,15 +676,30 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def all_slos(args: argparse.Namespace) -> list[tuple[float, float]]:
+    return [(args.slo_ttft, args.slo_tpot), *args.extra_slo]
+
+
+def goodput_sums(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per SLO pair: goodput summed over the rates run (the issue's measure)."""
+    sums: dict[str, float] = {}
+    for row in rows:
+        for label, value in row.get("goodput_at", {}).items():
+            sums[label] = round(sums.get(label, 0.0) + value, 4)
+    return sums
+
+
 def summary(results: dict[str, Any]) -> dict[str, Any]:
-    """Per system: the best goodput seen, and the highest rate at which at least 90% of the
-    requests met both SLOs (its usable capacity under them, to the sweep's resolution)."""
+    """Per system: the best goodput seen, goodput summed over the rates under every SLO
+    pair, and the highest rate at which at least 90% of the requests met both SLOs (its
+    usable capacity under them, to the sweep's resolution)."""
     out: dict[str, Any] = {}
     for name, sysres in results.items():
         rows = sysres.get("rates", [])
         within = [r["rate_rps"] for r in rows if (r["slo_attainment"] or 0) >= 0.9]
         out[name] = {
             "max_goodput_rps": max((r["goodput_rps"] for r in rows), default=None),
+            "goodput_sum_rps": goodput_sums(rows),
             "max_rate_with_90pct_in_slo": max(within, default=None),
             "peak_output_tokens_per_s": max(
                 (r["throughput"]["output_tokens_per_s"] for r in rows), default=None
@@ -667,8 +724,30 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             "pdserve_best": best["pdserve"],
             "vllm_best": best["vllm"],
             "max_goodput_ratio": round(ours / theirs, 3) if theirs else None,
+            "goodput_sum_ratios": goodput_sum_ratios(out),
         }
     return out
+
+
+def goodput_sum_ratios(out: dict[str, Any]) -> dict[str, float | None]:
+    """ "pdserve@A / vllm@B": the best pdserve mode's goodput sum under SLO pair A over the
+    best vLLM setting's under B, for every pair of pairs (e.g. pdserve at a tight SLO
+    against vLLM at a loose one)."""
+
+    def best(group: set[str], label: str) -> float:
+        return max((out[n]["goodput_sum_rps"].get(label, 0.0) for n in group), default=0.0)
+
+    ours = {n for n in out if n in PDSERVE_SYSTEMS}
+    theirs = {n for n in out if n in VLLM_SYSTEMS}
+    labels = sorted({label for n in ours | theirs for label in out[n]["goodput_sum_rps"]})
+    ratios: dict[str, float | None] = {}
+    for a in labels:
+        for b in labels:
+            denominator = best(theirs, b)
+            ratios[f"pdserve@{a} / vllm@{b}"] = (
+                round(best(ours, a) / denominator, 3) if denominator else None
+            )
+    return ratios
 
 
 if __name__ == "__main__":

@@ -40,12 +40,24 @@ KV_HANDOFF = Histogram(
     LABELS,
     buckets=ITL_BUCKETS,
 )
+HANDOFF_RETRIES = Counter(
+    "pdserve_kv_handoff_retries",
+    "Handoffs a decode worker refused as busy (its admission queue full) and the coordinator "
+    "tried again, the prefill lease still holding the blocks",
+    LABELS,
+)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", LABELS)
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated", LABELS)
 SUCCESS = Counter("pdserve_request_success", "Finished requests, by finish reason",
                   (*LABELS, "finished_reason"))  # fmt: skip
 FAILURE = Counter("pdserve_request_failure", "Requests that ended in an error, by cause",
                   (*LABELS, "cause"))  # fmt: skip
+HTTP_TOO_LARGE = Counter(
+    "pdserve_http_request_too_large",
+    "HTTP requests answered 413: a body over the limit, by its Content-Length or once the "
+    "bytes read passed it (nothing else of them is done)",
+    LABELS,
+)
 
 
 REQUEST_LOG = logging.getLogger("pdserve.requests")
@@ -84,6 +96,11 @@ class RequestTimer:
         """Decode reports the request running (its blocks pulled)."""
         if self.first is not None:
             KV_HANDOFF.labels(**self.labels).observe(time.monotonic() - self.first)
+
+    def handoff_retried(self, reason: str) -> None:
+        HANDOFF_RETRIES.labels(**self.labels).inc()
+        if self.span is not None:
+            self.span.add_event("pdserve.handoff_retry", {"reason": reason})
 
     def finished(self, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         now = time.monotonic()

@@ -11,8 +11,10 @@ one `RequestFailed` carrying a gRPC status code; each front maps it to its own e
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import replace
 
@@ -27,7 +29,7 @@ from pdserve.services.coordinator.metrics import RequestTimer
 from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
 from pdserve.services.coordinator.router import NoWorkerError
 from pdserve.services.frontend import ContextLengthError, Frontend, ParsedRequest, usage
-from pdserve.v1 import decode_pb2, generate_pb2, prefill_pb2
+from pdserve.v1 import decode_pb2, generate_pb2, kv_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +106,28 @@ class LegFailed(Exception):
         self.error = error
 
 
+class DecodeBusy(Exception):
+    """A decode worker refused a handoff (RESOURCE_EXHAUSTED before pulling any block)."""
+
+    def __init__(self, error: RequestFailed) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+# A handoff a decode worker refused as busy is retried after 20 ms, doubling up to 0.2 s,
+# while the prefill lease has more than `LEASE_MARGIN_S` left (decode gives up waiting for
+# blocks 1 s before the lease ends; a pull needs time too).
+HANDOFF_BACKOFF_S = (0.02, 0.2)
+LEASE_MARGIN_S = 2.0
+
+
 class Coordinator:
     """Routes requests over a prefill and a decode pool, or over colocated workers. At most
-    `max_inflight` requests are in flight; past that a request is refused at once
-    (RESOURCE_EXHAUSTED) rather than queued without bound."""
+    `max_inflight` requests are in flight, counted from arrival (waiting for the tokenizer
+    too); past that a request is refused at once (RESOURCE_EXHAUSTED, retry after 1 s)
+    rather than queued without bound. While prefilled requests wait for a busy decode pool
+    to take them, new disaggregated requests are refused the same way: decode is the
+    bottleneck then, and a new prefill would only add a lease waiting behind them."""
 
     def __init__(
         self,
@@ -134,8 +154,23 @@ class Coordinator:
         self.max_retries = max_retries
         self.local_prefill_tokens = local_prefill_tokens
         self.inflight = 0
+        self.handoffs_waiting = 0  # prefilled requests a busy decode pool has not taken yet
         self._background: set[asyncio.Task[None]] = set()
         self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
+
+    def _refusal(self) -> str | None:
+        """Why a new request is refused at arrival, or None to take it."""
+        if self.inflight >= self.max_inflight:
+            return (
+                f"coordinator: {self.inflight} requests in flight, the limit "
+                f"(--max-inflight-requests {self.max_inflight}); retry later"
+            )
+        if self.handoffs_waiting and self.colocated is None:
+            return (
+                f"coordinator: {self.handoffs_waiting} prefilled requests wait for a decode "
+                "worker to take them (every decode admission queue is full); retry later"
+            )
+        return None
 
     async def generate(
         self,
@@ -155,47 +190,50 @@ class Coordinator:
         )
         timer = RequestTimer(self.metric_labels, span)
         timer.request_id = request.request_id
-        if self.inflight >= self.max_inflight:
-            message = (
-                f"coordinator: {self.inflight} requests in flight, the limit "
-                f"(--max-inflight-requests {self.max_inflight}); retry later"
-            )
+        message = self._refusal()
+        if message is not None:
             timer.failed("overloaded", message)
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        try:
-            parsed = await self.frontend.parse_async(request, fill_context)
-        except InvalidRequestError as e:
-            timer.failed("invalid_argument", str(e))
-            raise RequestFailed(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                str(e),
-                e.field,
-                context_length=isinstance(e, ContextLengthError),
-            ) from None
-        span.set_attribute("pdserve.request_id", parsed.request_id)
-        timer.request_id = parsed.request_id
-        path = self._colocated if self.colocated is not None else self._disaggregated
-        finished = False
+            refused = RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            refused.retry_after_s = 1
+            raise refused
+        # Counted from here, tokenizing included: a flood of long prompts waiting for the
+        # tokenizer's thread is bounded by the same limit as requests on the workers.
         self.inflight += 1
+        finished = False
         try:
-            async for response in path(parsed, timeout, timer):
-                timer.on_tokens(len(response.token_ids))
-                if response.finish_reason:
-                    finished = True
-                    timer.finished(
-                        response.finish_reason,
-                        len(parsed.token_ids),
-                        response.usage.cached_tokens,
-                    )
-                yield response
-        except RequestFailed as e:
-            finished = True
-            timer.failed(e.code.name.lower(), e.message)
-            raise
-        except NoWorkerError as e:
-            finished = True
-            timer.failed("no_worker", str(e))
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            try:
+                parsed = await self.frontend.parse_async(request, fill_context)
+            except InvalidRequestError as e:
+                finished = True
+                timer.failed("invalid_argument", str(e))
+                raise RequestFailed(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    str(e),
+                    e.field,
+                    context_length=isinstance(e, ContextLengthError),
+                ) from None
+            span.set_attribute("pdserve.request_id", parsed.request_id)
+            timer.request_id = parsed.request_id
+            path = self._colocated if self.colocated is not None else self._disaggregated
+            try:
+                async for response in path(parsed, timeout, timer):
+                    timer.on_tokens(len(response.token_ids))
+                    if response.finish_reason:
+                        finished = True
+                        timer.finished(
+                            response.finish_reason,
+                            len(parsed.token_ids),
+                            response.usage.cached_tokens,
+                        )
+                    yield response
+            except RequestFailed as e:
+                finished = True
+                timer.failed(e.code.name.lower(), e.message)
+                raise
+            except NoWorkerError as e:
+                finished = True
+                timer.failed("no_worker", str(e))
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         finally:
             self.inflight -= 1
             if not finished:  # the client left (cancelled, deadline) or the call broke
@@ -372,26 +410,64 @@ class Coordinator:
         try:
             yield first, prefilled.cached_tokens
             blocks = -(-(len(tokens) + left) // max(1, handle.block_size))
-            decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
-            span.set_attribute("pdserve.decode_worker", decoder.address)
-            call = decoder.stub.Decode(
-                decode_pb2.DecodeRequest(
-                    request_id=wid,
-                    prompt_token_ids=tokens,
-                    first_token_id=prefilled.first_token_id,
-                    sampling=sampling,
-                    kv_handle=handle,
-                    resumed=resumed,
-                ),
-                timeout=remaining(),
-                metadata=metadata_for_call(span),
+            request = decode_pb2.DecodeRequest(
+                request_id=wid,
+                prompt_token_ids=tokens,
+                first_token_id=prefilled.first_token_id,
+                sampling=sampling,
+                kv_handle=handle,
+                resumed=resumed,
             )
-            async for item in self._relay_decode(call, decoder, rid, timer, failed, prefilled):
-                pulled = True  # decode has the blocks (releasing a pulled lease is a no-op)
-                yield item
+            waiting = False
+            try:
+                for attempt in itertools.count():
+                    decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
+                    span.set_attribute("pdserve.decode_worker", decoder.address)
+                    call = decoder.stub.Decode(
+                        request, timeout=remaining(), metadata=metadata_for_call(span)
+                    )
+                    try:
+                        async for item in self._relay_decode(
+                            call, decoder, rid, timer, failed, prefilled
+                        ):
+                            pulled = True  # decode has the blocks (a pulled lease: no-op)
+                            if waiting:
+                                waiting = False
+                                self.handoffs_waiting -= 1
+                            yield item
+                        return
+                    except DecodeBusy as e:
+                        if not waiting:
+                            waiting = True
+                            self.handoffs_waiting += 1
+                        await self._wait_to_hand_off(e.error, attempt, handle, remaining, timer)
+            finally:
+                if waiting:
+                    self.handoffs_waiting -= 1
         finally:
             if not pulled:  # failed or cancelled before the pull: free prefill's blocks
                 self._release(worker, handle.lease_id)
+
+    async def _wait_to_hand_off(
+        self,
+        error: RequestFailed,
+        attempt: int,
+        handle: kv_pb2.KvHandle,
+        remaining: Callable[[], float | None],
+        timer: RequestTimer,
+    ) -> None:
+        """A decode worker refused a handoff as busy (its admission queue full). The client
+        already has the first token and prefill holds the blocks under a lease, so the
+        request waits and tries again (another decode worker, if one is less loaded) while
+        the lease and the deadline last; back-pressure reaches new requests at prefill,
+        whose blocks the waiting leases hold. Raises `error` when time is up."""
+        wait = min(HANDOFF_BACKOFF_S[1], HANDOFF_BACKOFF_S[0] * 2**attempt)
+        lease_left = handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
+        left = remaining()
+        if lease_left - wait < LEASE_MARGIN_S or (left is not None and left <= wait):
+            raise error
+        timer.handoff_retried(error.message)
+        await asyncio.sleep(wait)
 
     async def _relay_decode(
         self,
@@ -403,7 +479,8 @@ class Coordinator:
         prefilled: prefill_pb2.PrefillResponse | None,
     ) -> AsyncIterator[tuple[generate_pb2.GenerateResponse, int]]:
         """Decode's stream as (response, cached prompt tokens); its first message (blocks in
-        place) is the handoff. A lost decode worker raises `LegFailed`."""
+        place) is the handoff. A lost decode worker raises `LegFailed`; one refusing a
+        handoff as busy, `DecodeBusy`."""
         assert self.decode is not None
         with self.decode.track(decoder):
             try:
@@ -425,6 +502,9 @@ class Coordinator:
                     yield out, (prefilled.cached_tokens if prefilled else step.cached_tokens)
             except grpc.aio.AioRpcError as e:
                 error = _worker_error("decode", decoder.address, e)
+                busy = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if busy and not handed_off and prefilled is not None:
+                    raise DecodeBusy(error) from None
                 if e.code() not in WORKER_GONE:
                     raise error from None
                 self.decode.failed(decoder)

@@ -1,0 +1,85 @@
+"""`--max-inflight-requests` counts a request from its arrival, while it waits for the
+tokenizer too: a flood of long prompts queues there no further than the limit, the next one
+is refused at once (RESOURCE_EXHAUSTED with a retry hint) without reaching the tokenizer,
+and every way out (refused after tokenizing, cancelled while tokenizing, failed later, done)
+gives its place back. A stand-in frontend whose tokenizing waits on an event (no timing)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
+from pdserve.services.coordinator.router import NoWorkerError
+from pdserve.services.frontend import ParsedRequest
+from pdserve.v1 import generate_pb2
+
+
+class BlockedFrontend:
+    """`parse_async` waits until released; then refuses prompts saying "bad", parses the
+    others."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.release = asyncio.Event()
+
+    async def parse_async(self, request, fill_context=False) -> ParsedRequest:
+        self.entered += 1
+        await self.release.wait()
+        if request.prompt == "bad":
+            raise InvalidRequestError("prompt", "refused after tokenizing")
+        return ParsedRequest("r", [1, 2, 3], SamplingParams(max_tokens=1))
+
+
+class NoWorkers:
+    async def pick(self, *args, **kwargs):
+        raise NoWorkerError("no colocated worker")
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0)
+
+
+def test_the_limit_counts_requests_still_being_tokenized() -> None:
+    async def main() -> None:
+        frontend = BlockedFrontend()
+        coordinator = Coordinator(
+            frontend,  # type: ignore[arg-type]
+            colocated=NoWorkers(),  # type: ignore[arg-type]
+            max_inflight=3,
+            worker_id="inflight-test",
+        )
+
+        async def run(prompt: str) -> None:
+            async for _ in coordinator.generate(generate_pb2.GenerateRequest(prompt=prompt)):
+                pass
+
+        waiting = [asyncio.ensure_future(run(p)) for p in ("bad", "good", "leaves")]
+        await until(lambda: frontend.entered == 3)
+        assert coordinator.inflight == 3
+        with pytest.raises(RequestFailed) as refused:
+            await run("one too many")
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.retry_after_s == 1
+        assert frontend.entered == 3  # refused before the tokenizer saw it
+        waiting[2].cancel()  # its client left while it waited for the tokenizer
+        await until(lambda: coordinator.inflight == 2)
+        frontend.release.set()
+        with pytest.raises(RequestFailed) as bad:
+            await waiting[0]
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(RequestFailed) as no_worker:
+            await waiting[1]
+        assert no_worker.value.code == grpc.StatusCode.UNAVAILABLE
+        assert coordinator.inflight == 0  # every way out gave its place back
+        with pytest.raises(RequestFailed) as again:
+            await run("good")  # and new requests get in
+        assert again.value.code == grpc.StatusCode.UNAVAILABLE
+        assert coordinator.inflight == 0
+
+    asyncio.run(main())
