@@ -407,6 +407,7 @@ class Coordinator:
 
         handle = prefilled.kv_handle
         pulled = False  # decode's first message says the blocks are in place
+        waiting = False  # counted in `handoffs_waiting`: a busy decode pool refused it
         try:
             yield first, prefilled.cached_tokens
             blocks = -(-(len(tokens) + left) // max(1, handle.block_size))
@@ -418,33 +419,30 @@ class Coordinator:
                 kv_handle=handle,
                 resumed=resumed,
             )
-            waiting = False
-            try:
-                for attempt in itertools.count():
-                    decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
-                    span.set_attribute("pdserve.decode_worker", decoder.address)
-                    call = decoder.stub.Decode(
-                        request, timeout=remaining(), metadata=metadata_for_call(span)
-                    )
-                    try:
-                        async for item in self._relay_decode(
-                            call, decoder, rid, timer, failed, prefilled
-                        ):
-                            pulled = True  # decode has the blocks (a pulled lease: no-op)
-                            if waiting:
-                                waiting = False
-                                self.handoffs_waiting -= 1
-                            yield item
-                        return
-                    except DecodeBusy as e:
-                        if not waiting:
-                            waiting = True
-                            self.handoffs_waiting += 1
-                        await self._wait_to_hand_off(e.error, attempt, handle, remaining, timer)
-            finally:
-                if waiting:
-                    self.handoffs_waiting -= 1
+            for attempt in itertools.count():
+                decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
+                span.set_attribute("pdserve.decode_worker", decoder.address)
+                call = decoder.stub.Decode(
+                    request, timeout=remaining(), metadata=metadata_for_call(span)
+                )
+                try:
+                    async for item in self._relay_decode(
+                        call, decoder, rid, timer, failed, prefilled
+                    ):
+                        pulled = True  # decode has the blocks (a pulled lease's release: no-op)
+                        if waiting:
+                            waiting = False
+                            self.handoffs_waiting -= 1
+                        yield item
+                    return
+                except DecodeBusy as e:
+                    if not waiting:
+                        waiting = True
+                        self.handoffs_waiting += 1
+                    await self._wait_to_hand_off(e.error, attempt, handle, remaining, timer)
         finally:
+            if waiting:
+                self.handoffs_waiting -= 1
             if not pulled:  # failed or cancelled before the pull: free prefill's blocks
                 self._release(worker, handle.lease_id)
 

@@ -106,15 +106,20 @@ class Pool:
         self.failures += 1
 
 
+def coordinator_over(stub: Stub) -> Coordinator:
+    """A coordinator whose prefill and decode pools are one stand-in worker on `stub`."""
+    worker = Worker(stub)
+    return Coordinator(
+        Frontend(),  # type: ignore[arg-type]
+        prefill=Pool(worker),  # type: ignore[arg-type]
+        decode=Pool(worker),  # type: ignore[arg-type]
+        worker_id="handoff-retry-test",
+    )
+
+
 def serve(stub: Stub) -> tuple[list[generate_pb2.GenerateResponse], Exception | None]:
     async def main():
-        worker = Worker(stub)
-        coordinator = Coordinator(
-            Frontend(),  # type: ignore[arg-type]
-            prefill=Pool(worker),  # type: ignore[arg-type]
-            decode=Pool(worker),  # type: ignore[arg-type]
-            worker_id="handoff-retry-test",
-        )
+        coordinator = coordinator_over(stub)
         responses: list[generate_pb2.GenerateResponse] = []
         error = None
         try:
@@ -157,13 +162,7 @@ def test_new_requests_are_refused_while_a_handoff_waits() -> None:
 
     async def main():
         stub = Stub(refusals=3, lease_s=30)
-        worker = Worker(stub)
-        coordinator = Coordinator(
-            Frontend(),  # type: ignore[arg-type]
-            prefill=Pool(worker),  # type: ignore[arg-type]
-            decode=Pool(worker),  # type: ignore[arg-type]
-            worker_id="handoff-backpressure-test",
-        )
+        coordinator = coordinator_over(stub)
         first = coordinator.generate(generate_pb2.GenerateRequest(prompt="x"))
         assert (await anext(first)).token_ids == [10]
         waiting = asyncio.ensure_future(anext(first))  # refused by decode, now waiting
