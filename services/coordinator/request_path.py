@@ -94,8 +94,12 @@ def retry_after(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | Non
 
 
 # A call that ended so means the worker (or the way to it) is gone, not that the request is
-# bad: the request may go on elsewhere.
-WORKER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED})
+# bad: the request may go on elsewhere. CANCELLED too: the coordinator never reads a call
+# after cancelling it, and a stopping gRPC server drops the calls it has not handed to a
+# handler yet as CANCELLED (grpc/grpc#41785; a draining worker's last arrivals).
+WORKER_GONE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+)
 
 
 class LegFailed(Exception):

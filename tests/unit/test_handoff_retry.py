@@ -38,22 +38,26 @@ class PrefillCall:
         pass
 
 
-class DecodeCall:
-    """Refuses (RESOURCE_EXHAUSTED) or streams the handoff message and two tokens."""
+BUSY = "4 requests already wait for KV blocks on this decode worker"
 
-    def __init__(self, refuse: bool) -> None:
-        self.refuse = refuse
+
+class DecodeCall:
+    """Fails with `code` before the handoff, or streams the handoff message and two
+    tokens."""
+
+    def __init__(self, code: grpc.StatusCode | None) -> None:
+        self.code = code
 
     def __aiter__(self):
         return self._stream()
 
     async def _stream(self):
-        if self.refuse:
+        if self.code is not None:
             raise grpc.aio.AioRpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                self.code,
                 grpc.aio.Metadata(),
                 grpc.aio.Metadata(("retry-after", "1")),
-                "4 requests already wait for KV blocks on this decode worker",
+                BUSY if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "CANCELLED",
             )
         yield decode_pb2.DecodeResponse(pulled_blocks=1)
         yield decode_pb2.DecodeResponse(token_ids=[11], text="b")
@@ -64,8 +68,13 @@ class DecodeCall:
 
 
 class Stub:
-    def __init__(self, refusals: int, lease_s: float) -> None:
-        self.refusals, self.lease_s = refusals, lease_s
+    def __init__(
+        self,
+        refusals: int,
+        lease_s: float,
+        code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ) -> None:
+        self.refusals, self.lease_s, self.code = refusals, lease_s, code
         self.decode_calls = 0
         self.released: list[str] = []
 
@@ -78,7 +87,7 @@ class Stub:
 
     def Decode(self, request, timeout=None, metadata=None):
         self.decode_calls += 1
-        return DecodeCall(refuse=self.decode_calls <= self.refusals)
+        return DecodeCall(self.code if self.decode_calls <= self.refusals else None)
 
     async def ReleaseKv(self, request, timeout=None):
         self.released.append(request.lease_id)
@@ -117,9 +126,12 @@ def coordinator_over(stub: Stub) -> Coordinator:
     )
 
 
-def serve(stub: Stub) -> tuple[list[generate_pb2.GenerateResponse], Exception | None]:
+def serve(
+    stub: Stub, coordinator: Coordinator | None = None
+) -> tuple[list[generate_pb2.GenerateResponse], Exception | None]:
     async def main():
-        coordinator = coordinator_over(stub)
+        nonlocal coordinator
+        coordinator = coordinator or coordinator_over(stub)
         responses: list[generate_pb2.GenerateResponse] = []
         error = None
         try:
@@ -141,6 +153,19 @@ def test_a_refused_handoff_is_retried_and_the_stream_completes() -> None:
     assert [t for r in responses for t in r.token_ids] == [10, 11, 12]
     assert responses[-1].finish_reason == "length"
     assert stub.released == []  # decode pulled the lease's blocks
+
+
+def test_a_decode_call_cancelled_by_a_stopping_server_goes_on_elsewhere() -> None:
+    """A server that stops drops the calls it had not handed to a handler yet as CANCELLED
+    (grpc/grpc#41785, a draining decode worker): that is the worker going away, not the
+    client's cancel, so the request continues as after a lost worker."""
+    stub = Stub(refusals=1, lease_s=30, code=grpc.StatusCode.CANCELLED)
+    coordinator = coordinator_over(stub)
+    responses, error = serve(stub, coordinator)
+    assert error is None
+    assert stub.decode_calls == 2
+    assert coordinator.decode is not None and coordinator.decode.failures == 1  # type: ignore[attr-defined]
+    assert responses[-1].finish_reason == "length"
 
 
 @pytest.mark.parametrize("lease_s", [0.5, -1.0])
