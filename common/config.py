@@ -75,6 +75,8 @@ class EngineConfig:
     redundant_experts: int = 0
     # Model steps between two re-placements of the redundant experts.
     eplb_interval: int = 64
+    # Dense models: split every layer over this many rank processes (rank 0 schedules).
+    tensor_parallel: int = 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -127,6 +129,18 @@ class EngineConfig:
             )
         if self.eplb_interval < 1:
             raise ValueError(f"eplb_interval: must be at least 1, got {self.eplb_interval}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel: must be at least 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.expert_parallel > 1:
+            raise ValueError(
+                "tensor_parallel: not combined with expert_parallel yet; use one of them"
+            )
+        if self.tensor_parallel > 1 and (self.kv_offload_dir or self.kv_host_offload_gb
+                                         or self.kv_shared_dir):  # fmt: skip
+            raise ValueError(
+                "tensor_parallel: the KV offload tiers (kv_offload_dir, kv_host_offload_gb, "
+                "kv_shared_dir) are not supported with tensor parallelism yet"
+            )
         if self.kv_offload_gb <= 0:
             raise ValueError(f"kv_offload_gb: must be > 0, got {self.kv_offload_gb}")
         if self.kv_host_offload_gb < 0:

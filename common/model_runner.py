@@ -27,6 +27,8 @@ from pdserve.common.models.expert_balance import ExpertBalancer
 from pdserve.common.models.expert_parallel import ExpertShard
 from pdserve.common.models.families import family_for
 from pdserve.common.models.llama import LlamaForCausalLM
+from pdserve.common.models.tensor_parallel import TensorShard
+from pdserve.common.models.tp_steps import StepInputs, StepSender, receive_step
 from pdserve.common.request import Request
 from pdserve.common.sampler import Sampler, TokenLogprobs
 from pdserve.common.scheduler import ScheduledBatch
@@ -50,21 +52,25 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def kv_bytes_per_block(hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype, kv_heads: int | None = None
+) -> int:
+    """`kv_heads`: the KV heads one rank keeps (default: all of the model's)."""
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
     elem = torch.empty((), dtype=dtype).element_size()
-    return (
-        hf_config.num_hidden_layers * 2 * block_size * hf_config.num_key_value_heads
-        * head_dim * elem
-    )  # fmt: skip
+    heads = hf_config.num_key_value_heads if kv_heads is None else kv_heads
+    return hf_config.num_hidden_layers * 2 * block_size * heads * head_dim * elem
 
 
-def num_kv_blocks(config: EngineConfig, hf_config: PretrainedConfig) -> int:
+def num_kv_blocks(
+    config: EngineConfig, hf_config: PretrainedConfig, kv_heads: int | None = None
+) -> int:
+    """Blocks in one rank's pool; under tensor parallelism `--kv-cache-gb` is per rank."""
     if config.kv_cache_tokens is not None:
         return max(1, config.kv_cache_tokens // config.block_size)
-    per_block = kv_bytes_per_block(hf_config, config.block_size, config.torch_dtype)
+    per_block = kv_bytes_per_block(hf_config, config.block_size, config.torch_dtype, kv_heads)
     return max(1, int(config.kv_cache_gb * 2**30) // per_block)
 
 
@@ -93,22 +99,34 @@ class ModelRunner:
         self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         shard = self._expert_shard() if config.expert_parallel > 1 else None
-        self.model = LlamaForCausalLM(
-            self.hf_config, load_state_dict(model_dir), self.dtype, self.device, shard
+        self.tp = self._tensor_shard() if config.tensor_parallel > 1 else None
+        state = load_state_dict(model_dir)
+        try:
+            self.model = LlamaForCausalLM(
+                self.hf_config, state, self.dtype, self.device, shard, self.tp
+            )
+        except ValueError as exc:  # a model the shard cannot split
+            raise ModelLoadError(str(exc)) from None
+        # Tensor parallelism: rank 0 hands its steps to the others (`follow`).
+        self.step_sender = (
+            StepSender(self.tp, self.device) if self.tp is not None and self.tp.rank == 0 else None
         )
         self.num_forwards = 0  # model forwards so far (expert-parallel ranks keep in step)
         self.expert_balance = ExpertBalancer(self.model.moe_blocks(), config)
         count = config.count_expert_tokens or config.redundant_experts > 0
         self.expert_counter = self.model.enable_expert_counting() if count else None
-        self.num_blocks = num_kv_blocks(config, self.hf_config)
         m = self.model
+        # Under tensor parallelism every rank has as many blocks as the one with most heads.
+        heads = self.tp.max_kv_heads(self.hf_config.num_key_value_heads) if self.tp else None
+        self.num_blocks = num_kv_blocks(config, self.hf_config, heads)
         self.kv_cache = allocate_kv_cache(
             (self.num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim),
             self.dtype,
             self.device,
         )
         self.sampler = Sampler()
-        self.layout_fingerprint = self._layout_fingerprint()
+        self.layout_fingerprint = self._layout_fingerprint(state["model.embed_tokens.weight"])
+        del state
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks, self.block_size,
@@ -116,19 +134,50 @@ class ModelRunner:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def _layout_fingerprint(self) -> str:
+    def _layout_fingerprint(self, embed: torch.Tensor) -> str:
         """Names what a KV block holds: two workers may exchange blocks only if this is
-        equal. Shapes and dtype, plus a digest of a few embedding rows so two checkpoints
-        of one architecture do not mix."""
+        equal. Shapes and dtype, plus a digest of a few embedding rows (of the checkpoint,
+        whatever the sharding) so two checkpoints of one architecture do not mix; under
+        tensor parallelism, the group's size too (each rank's blocks hold its heads)."""
         m = self.model
-        rows = self.model.embed[:: max(1, self.model.embed.shape[0] // 8)][:8]
-        digest = hashlib.sha256(rows.float().cpu().numpy().tobytes()).hexdigest()[:12]
+        rows = embed[:: max(1, embed.shape[0] // 8)][:8].to(self.dtype)
+        digest = hashlib.sha256(rows.float().numpy().tobytes()).hexdigest()[:12]
         arch = self.hf_config.model_type
         dtype = str(self.dtype).removeprefix("torch.")
+        tp = f"/tp={self.tp.world_size}" if self.tp is not None else ""
         return (
-            f"{arch}/{dtype}/layers={m.num_layers}/kv_heads={m.num_kv_heads}/"
-            f"head_dim={m.head_dim}/block={self.block_size}/{digest}"
+            f"{arch}/{dtype}/layers={m.num_layers}/kv_heads={self.hf_config.num_key_value_heads}"
+            f"/head_dim={m.head_dim}/block={self.block_size}{tp}/{digest}"
         )
+
+    def _tensor_shard(self) -> TensorShard:
+        """This rank's place in its tensor-parallel group; the process already belongs to
+        it (`rank_group.join_rank_group`)."""
+        import torch.distributed as dist
+
+        world_size = self.config.tensor_parallel
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise RuntimeError(f"tensor_parallel={world_size} needs a process group of that size")
+        return TensorShard(dist.get_rank(), world_size)
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks 1..N-1: run rank 0's steps on this rank's shard until it
+        stops (`tp_steps`)."""
+        assert self.tp is not None and self.tp.rank != 0
+        with torch.inference_mode():
+            while (step := receive_step(self.tp, self.device)) is not None:
+                hidden = self.model.forward(
+                    step.input_ids, step.positions, step.meta, self.kv_cache
+                )
+                self.num_forwards += 1
+                if step.sample_idx.numel():
+                    self.model.compute_logits(hidden[step.sample_idx])
+
+    def stop_followers(self) -> None:
+        """Rank 0 of a tensor-parallel group: let the other ranks' `follow` return."""
+        if self.step_sender is not None:
+            self.step_sender.stop()
+            self.step_sender = None
 
     def _expert_shard(self) -> ExpertShard:
         """This rank's share of every MoE layer's experts; the process already belongs to
@@ -175,6 +224,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         input_ids, positions, meta, sample_idx, sampling = self._prepare(batch)
+        if self.step_sender is not None:
+            self.step_sender.send(StepInputs(input_ids, positions, meta, sample_idx))
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         self.num_forwards += 1
         if not sampling:

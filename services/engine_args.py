@@ -96,6 +96,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "experts and its own share of the requests (default: %(default)s)",
     )
     g.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        default=int_env("tensor_parallel", 1),
+        help="split every layer of a dense model over N rank processes (attention by "
+        "heads, the MLP by rows; gloo on CPU, NCCL on GPU); the group is one worker "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--redundant-experts",
         type=int,
         metavar="K",
@@ -156,6 +165,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 SERVICE_ROLES = ("prefill", "decode", "colocated")
+TENSOR_PARALLEL_COMMANDS = ("generate", "colocated")
 
 
 def int_env(name: str, default: int | None = None) -> int | None:
@@ -192,6 +202,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         expert_parallel=args.expert_parallel,
         redundant_experts=args.redundant_experts,
         eplb_interval=args.eplb_interval,
+        tensor_parallel=args.tensor_parallel,
     )
 
 
@@ -207,6 +218,20 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
 
         engine_config(args).validate()  # bad flags fail here, before any rank starts
         join_expert_parallel_group(args, engine_argv(args))
+    elif args.tensor_parallel != 1:
+        command = getattr(args, "command", "generate")
+        if command not in TENSOR_PARALLEL_COMMANDS:
+            raise PdserveError(
+                f"--tensor-parallel: runs with {', '.join(TENSOR_PARALLEL_COMMANDS)} and "
+                "serve --colocated so far (KV transfer between tensor-parallel groups is "
+                "not built yet)"
+            )
+        from pdserve.services.rank_group import RANK_ENV, join_rank_group
+
+        engine_config(args).validate()
+        if os.environ.get(RANK_ENV) is None:
+            check_tensor_parallel(args.model, args.tensor_parallel)
+        join_rank_group(args, engine_argv(args), args.tensor_parallel, "tensor")
     try:
         config = engine_config(args)
         # A serving worker exports its MoE routing (one bincount per MoE layer and step).
@@ -216,6 +241,22 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
         raise ModelLoadError(
             f"model: cannot load {args.model or 'the default model'}: {exc}"
         ) from exc
+
+
+def check_tensor_parallel(model: str | None, world_size: int) -> None:
+    """A clear error before any rank starts: a model N ranks cannot split."""
+    from transformers import AutoConfig
+
+    from pdserve.common.model_files import resolve_model
+    from pdserve.common.models.families import family_for
+    from pdserve.common.models.tensor_parallel import check_model
+
+    config = AutoConfig.from_pretrained(resolve_model(model))
+    family = family_for(config)
+    try:
+        check_model(config, family.name, family.moe is not None, family.qk_norm, world_size)
+    except ValueError as exc:
+        raise PdserveError(f"--{exc}".replace("tensor_parallel:", "tensor-parallel:")) from None
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -241,6 +282,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),
         ("--redundant-experts", args.redundant_experts or None),
         ("--eplb-interval", args.eplb_interval if args.eplb_interval != 64 else None),
+        ("--tensor-parallel", args.tensor_parallel if args.tensor_parallel != 1 else None),
     ]:
         if value is not None:
             argv += [flag, str(value)]

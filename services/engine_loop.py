@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -163,6 +165,11 @@ class EngineLoop:
             try:
                 outputs = engine.step()
             except Exception:
+                if engine.runner.tp is not None:  # the other ranks are mid-step: fatal
+                    logger.exception("tensor-parallel step failed")
+                    print("pdserve: error: tensor-parallel step failed; exiting",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    os._exit(1)
                 logger.exception("engine step failed; aborting its requests")
                 outputs = self._abort_all()
             self.steps += 1

@@ -1,15 +1,11 @@
-"""`--expert-parallel N`: one command becomes N rank processes (`pdserve generate`, and
-the serving roles `prefill`, `decode`, `colocated`, which `pdserve serve` starts).
+"""`--expert-parallel N`: one command becomes N rank processes (`rank_group.py`) for
+`pdserve generate` and the serving roles `prefill`, `decode`, `colocated` (which
+`pdserve serve` starts).
 
-The command the user runs is rank 0. Before loading anything it checks that the model is a
-mixture of experts whose expert count N divides, then starts ranks 1..N-1 as children
-(`pdserve generate` with the same engine flags, or a service's own command line; told their
-rank and rank 0's address by environment) and every rank joins one `torch.distributed`
-group (gloo on CPU, NCCL on GPU: rank r uses `cuda:r`). Each rank loads the whole model,
-keeps only its share of every MoE layer's experts, and has its own KV cache (data-parallel
-attention). A rank that dies ends the group: rank 0 reports which one and exits, the others'
-collectives fail on the closed connection or after `PDSERVE_EP_TIMEOUT` seconds (default
-300). A serving rank is a worker endpoint of its own (`worker.py`, `lockstep_loop.py`).
+Before any process starts, rank 0 checks that the model is a mixture of experts whose
+expert count N divides. Each rank loads the whole model, keeps only its share of every MoE
+layer's experts, and has its own KV cache (data-parallel attention). A serving rank is a
+worker endpoint of its own (`worker.py`, `lockstep_loop.py`).
 
 `pdserve generate`'s path: rank 0 reads and checks the JSONL lines and hands every rank the
 list of good ones; rank r runs lines r, r+N, r+2N, … Every step all ranks agree whether any
@@ -20,26 +16,18 @@ them in input order."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import socket
-import subprocess
 import sys
-import threading
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch.distributed as dist
 
 from pdserve.common.engine import LLMEngine, RequestOutput
 from pdserve.common.errors import InvalidRequestError, PdserveError
-from pdserve.common.models.expert_parallel import init_group, lockstep_busy
+from pdserve.common.models.expert_parallel import lockstep_busy
 from pdserve.services.offline import Defaults, parse_line, result_row
-
-RANK_ENV = "PDSERVE_EP_RANK"
-ADDRESS_ENV = "PDSERVE_EP_ADDRESS"
-TIMEOUT_ENV = "PDSERVE_EP_TIMEOUT"
+from pdserve.services.rank_group import RANK_ENV, RankGroup, join_rank_group
 
 
 def check_model(model: str | None, world_size: int, redundant_experts: int = 0) -> None:
@@ -68,99 +56,12 @@ def check_model(model: str | None, world_size: int, redundant_experts: int = 0) 
         )
 
 
-@dataclass
-class RankGroup:
-    """This process's place in its expert-parallel group. On rank 0, `children` are the
-    other ranks' processes (started by it)."""
-
-    rank: int
-    world_size: int
-    children: list[subprocess.Popen] = field(default_factory=list)
-    stopping: threading.Event = field(default_factory=threading.Event)
-
-    def signal_children(self, sig: int) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.send_signal(sig)
-
-    def reap_children(self, timeout_s: float = 30.0) -> None:
-        """Wait for the other ranks to end (they stop with this one), killing any that
-        outstay `timeout_s`."""
-        self.stopping.set()
-        for child in self.children:
-            try:
-                child.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-
-
-_group: RankGroup | None = None
-
-
-def current_group() -> RankGroup | None:
-    """The group this process joined (`join_expert_parallel_group`), if any."""
-    return _group
-
-
 def join_expert_parallel_group(args: argparse.Namespace, engine_flags: list[str]) -> RankGroup:
-    """Make this process a rank of the group (rank 0 also starts the others). `pdserve
-    generate` ranks get its engine flags; a service's ranks run the same command line as
-    rank 0 (each then listens on its own ports, see `worker.py`)."""
-    global _group
+    """Check the model, then make this process a rank of its expert-parallel group."""
     world = args.expert_parallel
-    rank_env = os.environ.get(RANK_ENV)
-    command = getattr(args, "command", "generate")
-    if rank_env is None:
+    if os.environ.get(RANK_ENV) is None:
         check_model(args.model, world, args.redundant_experts)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
-        if command == "generate":
-            argv = ["generate", "--input", "-", "--output", "-", "--no-progress", *engine_flags]
-        else:
-            argv = sys.argv[1:]
-        _group = RankGroup(0, world)
-        _group.children = _start_ranks(command, address, argv, _group)
-    else:
-        _group = RankGroup(int(rank_env), world)
-        address = os.environ[ADDRESS_ENV]
-    if args.device == "cuda":
-        args.device = f"cuda:{_group.rank}"
-    if getattr(args, "kv_offload_dir", None):  # each rank has its own pool, so its own tier
-        args.kv_offload_dir = os.path.join(args.kv_offload_dir, f"ep{_group.rank}")
-    init_group(_group.rank, world, address, args.device, float(os.environ.get(TIMEOUT_ENV, "300")))
-    return _group
-
-
-def _start_ranks(
-    command: str, address: str, argv: list[str], group: RankGroup
-) -> list[subprocess.Popen]:
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "pdserve.services.cli", *argv],
-            env=dict(os.environ, **{RANK_ENV: str(rank), ADDRESS_ENV: address}),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-        )
-        for rank in range(1, group.world_size)
-    ]
-
-    def watch(rank: int, child: subprocess.Popen) -> None:
-        code = child.wait()
-        if code != 0 and not group.stopping.is_set():
-            print(
-                f"pdserve {command}: error: expert-parallel rank {rank} exited with code "
-                f"{code}; the group cannot step without it",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)  # fail fast, never wait forever
-
-    for rank, child in enumerate(children, start=1):
-        threading.Thread(target=watch, args=(rank, child), daemon=True).start()
-    atexit.register(group.reap_children)
-    return children
+    return join_rank_group(args, engine_flags, world, "expert")
 
 
 def run_generate_ranks(

@@ -122,7 +122,8 @@ def _run_serve(
     roles = (
         ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     )
-    threads = args.threads or max(1, default_threads() // (len(roles) * args.expert_parallel))
+    ranks_per_worker = args.expert_parallel * args.tensor_parallel
+    threads = args.threads or max(1, default_threads() // (len(roles) * ranks_per_worker))
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
     admission = ["--ttft-target-ms", str(args.ttft_target_ms)]  # workers only

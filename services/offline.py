@@ -97,6 +97,18 @@ def run_generate(engine: LLMEngine, infile: TextIO, outfile: TextIO, defaults: D
         from pdserve.services.expert_parallel import run_generate_ranks
 
         return run_generate_ranks(engine, infile, outfile, defaults)
+    runner = engine.runner
+    if runner.tp is not None and runner.tp.rank != 0:  # runs rank 0's steps on its shard
+        runner.follow()
+        return 0
+    try:
+        return _run_lines(engine, infile, outfile, defaults, progress)
+    finally:
+        runner.stop_followers()
+
+
+def _run_lines(engine: LLMEngine, infile: TextIO, outfile: TextIO, defaults: Defaults,
+               progress: bool) -> int:  # fmt: skip
     results: dict[int, dict[str, Any]] = {}
     request_to_index: dict[str, int] = {}
     errors = 0

@@ -23,10 +23,10 @@ from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.convert import RETRY_AFTER_KEY
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
-from pdserve.services.expert_parallel import current_group
 from pdserve.services.grpc_server import ServiceProcess, message_limit, worker_message_limit
 from pdserve.services.lockstep_loop import LockstepEngineLoop
 from pdserve.services.metrics import WorkerMetrics
+from pdserve.services.rank_group import current_group
 from pdserve.services.tls import TlsFiles, use_internal_tls
 
 ROLES = ("prefill", "decode", "colocated")
@@ -72,7 +72,17 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     use_internal_tls(tls)
     setup_tracing(f"pdserve-{role}")
     engine = load_engine(args)
+    runner = engine.runner
+    if runner.tp is not None and runner.tp.rank != 0:
+        # A tensor-parallel rank serves nothing: it runs rank 0's steps until rank 0 stops
+        # (Ctrl-C reaches the whole process group; rank 0 alone decides when to stop).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        runner.follow()
+        return 0
     group = current_group()
+    tp_group = group if group is not None and group.kind == "tensor" else None
+    if tp_group is not None:  # rank 0 is the group's one endpoint
+        group = None
     rank = group.rank if group else 0
     if role == "colocated":  # its GenerateService also takes prompts as text
         from pdserve.services.frontend import longest_token_chars
@@ -126,6 +136,8 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     worker_pb2_grpc.add_WorkerStatusServiceServicer_to_server(status, process.server)
     names.append("pdserve.v1.WorkerStatusService")
     loop.housekeeping.append(worker.metrics.sync_prefix_cache)
+    if runner.step_sender is not None:
+        loop.housekeeping.append(runner.step_sender.keepalive)
     loop.start()
     status.start()
     process.on_drain(status.drain)
@@ -140,8 +152,10 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         await status.stop()
         loop.stop()
         loop.engine.close()
-        if group is not None:
-            group.reap_children()
+        runner.stop_followers()
+        for ranks_started in (group, tp_group):
+            if ranks_started is not None:
+                ranks_started.reap_children()
         if transport is not None:
             transport.close()
         shutdown_tracing()
@@ -155,6 +169,8 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         "metrics": f"http://{args.host}:{process.metrics_port}/metrics",
         **({"health": f"{args.host}:{process.health_port}"} if process.health_port else {}),
         **({"group": worker.group, "ranks": ranks} if ranks else {}),
+        # A tensor-parallel group's other ranks, which serve nothing themselves.
+        **({"rank_pids": [c.pid for c in tp_group.children]} if tp_group else {}),
     }
     await process.run(
         names, on_ready=lambda: print(json.dumps(ready), flush=True), grace_s=args.drain_timeout

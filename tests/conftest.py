@@ -20,7 +20,9 @@ def default_model_dir() -> Path:
     return resolve_model(None)
 
 
-def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
+def tiny_model(tmp: Path, default_dir: Path, arch: str, **overrides: int) -> Path:
+    """A tiny random-weight model of `arch` saved under `tmp`; `overrides` change its config
+    (e.g. the head counts)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
@@ -36,6 +38,7 @@ def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides)
     config = {
         "llama": lambda: LlamaConfig(**common),
         "qwen2": lambda: Qwen2Config(**common),  # q/k/v biases
@@ -47,7 +50,7 @@ def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    folder = tmp / arch
+    folder = tmp / "-".join([arch, *(f"{k}{v}" for k, v in sorted(overrides.items()))])
     model.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (default_dir / name).exists():
@@ -57,7 +60,7 @@ def _tiny_model(tmp: Path, default_dir: Path, arch: str) -> Path:
 
 @pytest.fixture(scope="session", params=["llama", "qwen2", "mistral"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
-    return _tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir, request.param)
+    return tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir, request.param)
 
 
 def pytest_report_header(config) -> str:

@@ -30,6 +30,14 @@ from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import family_for
 from pdserve.common.models.linear import Linear
 from pdserve.common.models.moe import Mlp, SparseMoeBlock, load_mlp
+from pdserve.common.models.tensor_parallel import (
+    RowParallel,
+    TensorShard,
+    check_model,
+    gather_vocab,
+    head_rows,
+    sum_exact,
+)
 from pdserve.kernels import fused_ops as fused
 
 
@@ -37,7 +45,7 @@ from pdserve.kernels import fused_ops as fused
 class LayerWeights:
     input_norm: torch.Tensor
     qkv: Linear
-    o_proj: Linear
+    o_proj: Linear | RowParallel
     post_norm: torch.Tensor
     mlp: Mlp
     q_norm: torch.Tensor | None = None
@@ -52,15 +60,29 @@ class LlamaForCausalLM:
         dtype: torch.dtype,
         device: torch.device,
         expert_shard: ExpertShard | None = None,
+        tensor_shard: TensorShard | None = None,
     ) -> None:
-        """`expert_shard`: expert parallelism; each MoE layer loads only this rank's experts."""
+        """`expert_shard`: expert parallelism; each MoE layer loads only this rank's experts.
+        `tensor_shard`: tensor parallelism; every layer loads only this rank's heads, MLP
+        rows and vocabulary range (`tensor_parallel.py`)."""
         self.family = family_for(config)
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
+        tp = tensor_shard if tensor_shard is not None and tensor_shard.world_size > 1 else None
+        self.tp = tp
+        q_heads = range(config.num_attention_heads)
+        kv_heads = range(config.num_key_value_heads)
+        if tp is not None:
+            check_model(config, self.family.name, self.family.moe is not None,
+                        self.family.qk_norm, tp.world_size)  # fmt: skip
+            q_heads = tp.q_heads(config.num_attention_heads, config.num_key_value_heads)
+            kv_heads = tp.kv_heads(config.num_key_value_heads)
+        self.num_heads = len(q_heads)
+        self.num_kv_heads = len(kv_heads)
+        q_rows = head_rows(q_heads, self.head_dim) if tp is not None else None
+        kv_rows = head_rows(kv_heads, self.head_dim) if tp is not None else None
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
@@ -68,27 +90,36 @@ class LlamaForCausalLM:
         clip = getattr(config, "clip_qkv", None) if self.family.clip_qkv else None
         self.clip_qkv: float | None = clip
 
-        def take(name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        def take(
+            name: str, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+        ) -> torch.Tensor:
             tensor = state_dict[name]
             if rows is not None:  # only these rows leave the memory-mapped checkpoint
                 tensor = tensor.index_select(0, rows)
+            if cols is not None:
+                tensor = tensor.index_select(1, cols)
             return tensor.to(device=device, dtype=dtype).contiguous()
 
-        self.embed = take("model.embed_tokens.weight")
-        self.lm_head = Linear(
-            self.embed
-            if getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
-            else take("lm_head.weight"),
-            float32_out=True,
-        )
+        self.vocab_size = state_dict["model.embed_tokens.weight"].shape[0]
+        vocab = tp.vocab_range(self.vocab_size) if tp is not None else range(self.vocab_size)
+        self.vocab_start = vocab.start
+        vocab_rows = torch.arange(vocab.start, vocab.stop) if tp is not None else None
+        self.embed = take("model.embed_tokens.weight", vocab_rows)
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state_dict
+        head = self.embed if tied else take("lm_head.weight", vocab_rows)
+        if tp is not None:  # every rank's range as wide, for the gather
+            width = tp.vocab_width(self.vocab_size)
+            head = torch.cat([head, head.new_zeros((width - head.shape[0], head.shape[1]))])
+        self.lm_head = Linear(head, float32_out=True)
         self.final_norm = take("model.norm.weight")
         self.layers = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
+            heads = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))  # this rank's rows
             bias = None
             if p + "self_attn.q_proj.bias" in state_dict:
                 bias = torch.cat(
-                    [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+                    [take(p + f"self_attn.{n}_proj.bias", r) for n, r in heads]
                 ).contiguous()
             qk_norms = {}
             if self.family.qk_norm != "none":
@@ -98,18 +129,26 @@ class LlamaForCausalLM:
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
                     qkv=Linear(
-                        torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), bias
+                        torch.cat([take(p + f"self_attn.{n}_proj.weight", r) for n, r in heads]),
+                        bias,
                     ),
-                    o_proj=Linear(
-                        take(p + "self_attn.o_proj.weight"),
+                    o_proj=self._row_parallel(
+                        take(p + "self_attn.o_proj.weight", cols=q_rows),
                         take(o_bias) if o_bias in state_dict else None,
                     ),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    mlp=load_mlp(config, self.family, i, take, state_dict, expert_shard),
+                    mlp=load_mlp(config, self.family, i, take, state_dict, expert_shard, tp),
                     **qk_norms,
                 )
             )
         self.cos_sin = self._rope_cache(config, device)
+
+    def _row_parallel(
+        self, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> Linear | RowParallel:
+        if self.tp is None:
+            return Linear(weight, bias)
+        return RowParallel(weight, bias, self.tp)
 
     def _rope_cache(self, config: PretrainedConfig, device: torch.device) -> torch.Tensor:
         """cos and sin for every position, [max_pos, 2, head_dim], in float32; the inverse
@@ -134,7 +173,7 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states after the final norm for every token, [T, hidden]."""
         num_tokens = input_ids.shape[0]
-        residual = F.embedding(input_ids, self.embed)
+        residual = self._embed(input_ids)
         hidden: torch.Tensor | None = None
         rotated_heads = self.num_heads + self.num_kv_heads
         for layer_idx, w in enumerate(self.layers):
@@ -156,6 +195,14 @@ class LlamaForCausalLM:
             hidden = w.mlp(x)
         assert hidden is not None
         return fused.add_rms_norm(hidden, residual, self.final_norm, self.eps)[0]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        rows = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+        return sum_exact(torch.where(mine[:, None], rows, torch.zeros_like(rows)), self.tp)
 
     def _qk_norm_and_clip(self, qkv: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """RMSNorm of q and k (over the whole projection, or per head), then the clamp of
@@ -195,4 +242,9 @@ class LlamaForCausalLM:
         return counter
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits [rows, vocab]; under tensor parallelism every rank calls it (the
+        ranges are gathered) and every rank gets all of them."""
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return gather_vocab(logits, self.tp, self.vocab_size)

@@ -34,6 +34,7 @@ from pdserve.common.models.expert_parallel import (
 from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import ModelFamily, MoeSpec, is_sparse_layer
 from pdserve.common.models.linear import Linear
+from pdserve.common.models.tensor_parallel import RowParallel, TensorShard
 from pdserve.kernels import fused_ops as fused
 from pdserve.kernels import invariant_gemm
 from pdserve.kernels import moe as moe_kernels
@@ -42,16 +43,19 @@ from pdserve.kernels.moe import Experts
 
 
 class Take(Protocol):
-    """A checkpoint tensor by name, on the model's device and dtype; `rows`: only these
-    rows of its first dimension (the rest never leave the memory-mapped checkpoint)."""
+    """A checkpoint tensor by name, on the model's device and dtype; `rows` / `cols`: only
+    these rows of its first dimension / columns of its second (the rest never leave the
+    memory-mapped checkpoint)."""
 
-    def __call__(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor: ...
+    def __call__(
+        self, name: str, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass
 class DenseMlp:
-    gate_up: Linear  # gate and up fused: [2I, H]
-    down: Linear
+    gate_up: Linear  # gate and up fused: [2I, H] (tensor parallel: this rank's I/N of each)
+    down: Linear | RowParallel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(fused.silu_and_mul(self.gate_up(x)))
@@ -141,10 +145,25 @@ def _rewrap(old: Experts, data: torch.Tensor) -> Experts:
     return old.with_data(data) if isinstance(old, PackedStack) else data
 
 
-def load_dense_mlp(take: Take, prefix: str) -> DenseMlp:
-    """gate_proj / up_proj / down_proj under `prefix` (e.g. "model.layers.3.mlp.")."""
-    gate_up = torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")])
-    return DenseMlp(gate_up=Linear(gate_up), down=Linear(take(prefix + "down_proj.weight")))
+def load_dense_mlp(take: Take, prefix: str, tp: TensorShard | None = None) -> DenseMlp:
+    """gate_proj / up_proj / down_proj under `prefix` (e.g. "model.layers.3.mlp."); with
+    tensor parallelism (`tp`) this rank's rows of gate and up, and down's matching columns."""
+    if tp is None:
+        gate_up = torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")])
+        return DenseMlp(gate_up=Linear(gate_up), down=Linear(take(prefix + "down_proj.weight")))
+    down_name = prefix + "down_proj.weight"
+    rows = tp.split(_columns(take, down_name))
+    index = torch.arange(rows.start, rows.stop)
+    gate_up = torch.cat(
+        [take(prefix + "gate_proj.weight", index), take(prefix + "up_proj.weight", index)]
+    )
+    return DenseMlp(
+        gate_up=Linear(gate_up), down=RowParallel(take(down_name, cols=index), None, tp)
+    )
+
+
+def _columns(take: Take, name: str) -> int:
+    return take(name, rows=torch.arange(1)).shape[1]
 
 
 def load_mlp(
@@ -154,13 +173,14 @@ def load_mlp(
     take: Take,
     names: Mapping[str, object],
     shard: ExpertShard | None = None,
+    tp: TensorShard | None = None,
 ) -> Mlp:
     """The feed-forward part of decoder layer `layer`; `names` is the state dict (for which
     keys exist). With expert parallelism (`shard`) an MoE block loads only the experts of
     this rank's slots: a rank never holds the whole expert set, not even while loading."""
     p = f"model.layers.{layer}."
     if not is_sparse_layer(config, family, layer):
-        return load_dense_mlp(take, p + "mlp.")
+        return load_dense_mlp(take, p + "mlp.", tp)
     spec = family.moe
     assert spec is not None
     block = p + spec.block + "."
