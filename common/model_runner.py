@@ -28,7 +28,12 @@ from pdserve.common.models.expert_parallel import ExpertShard
 from pdserve.common.models.families import family_for
 from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.models.tensor_parallel import TensorShard
-from pdserve.common.models.tp_steps import StepInputs, StepSender, receive_step
+from pdserve.common.models.tp_steps import (
+    CommandHandler,
+    StepInputs,
+    StepSender,
+    receive_step,
+)
 from pdserve.common.request import Request
 from pdserve.common.sampler import Sampler, TokenLogprobs
 from pdserve.common.scheduler import ScheduledBatch
@@ -137,17 +142,18 @@ class ModelRunner:
     def _layout_fingerprint(self, embed: torch.Tensor) -> str:
         """Names what a KV block holds: two workers may exchange blocks only if this is
         equal. Shapes and dtype, plus a digest of a few embedding rows (of the checkpoint,
-        whatever the sharding) so two checkpoints of one architecture do not mix; under
-        tensor parallelism, the group's size too (each rank's blocks hold its heads)."""
+        whatever the sharding) so two checkpoints of one architecture do not mix. It names
+        the whole model's layout: under tensor parallelism a rank's blocks hold its heads of
+        it (the KV handle says the group's size; `head_slices.py` maps one group's heads
+        onto another's)."""
         m = self.model
         rows = embed[:: max(1, embed.shape[0] // 8)][:8].to(self.dtype)
         digest = hashlib.sha256(rows.float().numpy().tobytes()).hexdigest()[:12]
         arch = self.hf_config.model_type
         dtype = str(self.dtype).removeprefix("torch.")
-        tp = f"/tp={self.tp.world_size}" if self.tp is not None else ""
         return (
             f"{arch}/{dtype}/layers={m.num_layers}/kv_heads={self.hf_config.num_key_value_heads}"
-            f"/head_dim={m.head_dim}/block={self.block_size}{tp}/{digest}"
+            f"/head_dim={m.head_dim}/block={self.block_size}/{digest}"
         )
 
     def _tensor_shard(self) -> TensorShard:
@@ -160,12 +166,13 @@ class ModelRunner:
             raise RuntimeError(f"tensor_parallel={world_size} needs a process group of that size")
         return TensorShard(dist.get_rank(), world_size)
 
-    def follow(self) -> None:
-        """Tensor-parallel ranks 1..N-1: run rank 0's steps on this rank's shard until it
-        stops (`tp_steps`)."""
+    def follow(self, on_command: CommandHandler | None = None) -> None:
+        """Tensor-parallel ranks 1..N-1: run rank 0's steps on this rank's shard, and its
+        commands through `on_command`, until it stops (`tp_steps`)."""
         assert self.tp is not None and self.tp.rank != 0
+        handler = {} if on_command is None else {"on_command": on_command}
         with torch.inference_mode():
-            while (step := receive_step(self.tp, self.device)) is not None:
+            while (step := receive_step(self.tp, self.device, **handler)) is not None:
                 hidden = self.model.forward(
                     step.input_ids, step.positions, step.meta, self.kv_cache
                 )

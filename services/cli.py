@@ -90,6 +90,21 @@ def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
     serve.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     serve.add_argument(
+        "--prefill-tensor-parallel",
+        type=int,
+        metavar="N",
+        default=None,
+        help="rank processes per prefill worker (default: --tensor-parallel)",
+    )
+    serve.add_argument(
+        "--decode-tensor-parallel",
+        type=int,
+        metavar="N",
+        default=None,
+        help="rank processes per decode worker; may differ from prefill's, the KV heads are "
+        "mapped between the groups (default: --tensor-parallel)",
+    )
+    serve.add_argument(
         "--colocated",
         action="store_true",
         help="one engine doing prefill and decode (the baseline), no KV transfer",

@@ -165,7 +165,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 SERVICE_ROLES = ("prefill", "decode", "colocated")
-TENSOR_PARALLEL_COMMANDS = ("generate", "colocated")
+TENSOR_PARALLEL_COMMANDS = ("generate", *SERVICE_ROLES)
 
 
 def int_env(name: str, default: int | None = None) -> int | None:
@@ -222,9 +222,8 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
         command = getattr(args, "command", "generate")
         if command not in TENSOR_PARALLEL_COMMANDS:
             raise PdserveError(
-                f"--tensor-parallel: runs with {', '.join(TENSOR_PARALLEL_COMMANDS)} and "
-                "serve --colocated so far (KV transfer between tensor-parallel groups is "
-                "not built yet)"
+                f"--tensor-parallel: runs with {', '.join(TENSOR_PARALLEL_COMMANDS)} "
+                "(serve takes --prefill-tensor-parallel / --decode-tensor-parallel)"
             )
         from pdserve.services.rank_group import RANK_ENV, join_rank_group
 

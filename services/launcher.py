@@ -122,8 +122,13 @@ def _run_serve(
     roles = (
         ["colocated"] if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     )
-    ranks_per_worker = args.expert_parallel * args.tensor_parallel
-    threads = args.threads or max(1, default_threads() // (len(roles) * ranks_per_worker))
+    tp = {
+        "colocated": args.tensor_parallel,
+        "prefill": args.prefill_tensor_parallel or args.tensor_parallel,
+        "decode": args.decode_tensor_parallel or args.tensor_parallel,
+    }
+    processes = sum(args.expert_parallel * tp[role] for role in roles)
+    threads = args.threads or max(1, default_threads() // processes)
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
     admission = ["--ttft-target-ms", str(args.ttft_target_ms)]  # workers only
@@ -135,7 +140,9 @@ def _run_serve(
         signal.signal(sig, lambda *_: stop.set())
     try:
         for i, role in enumerate(roles):
-            child_args = argparse.Namespace(**{**vars(args), "threads": threads})
+            child_args = argparse.Namespace(
+                **{**vars(args), "threads": threads, "tensor_parallel": tp[role]}
+            )
             if args.kv_offload_dir:  # each worker its own tier (its own index and LRU)
                 child_args.kv_offload_dir = os.path.join(args.kv_offload_dir, f"{role}-{i}")
             argv = [*common, *admission, *engine_argv(child_args)]

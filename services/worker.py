@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
@@ -28,6 +28,7 @@ from pdserve.services.lockstep_loop import LockstepEngineLoop
 from pdserve.services.metrics import WorkerMetrics
 from pdserve.services.rank_group import current_group
 from pdserve.services.tls import TlsFiles, use_internal_tls
+from pdserve.services.tp_kv import FollowerKv, gather_addresses
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -45,6 +46,12 @@ class Worker:
     group: str = ""
     group_rank: int = 0
     group_size: int = 1
+    # Tensor parallelism: the transport address of every rank of this worker's group.
+    tp_addresses: list[bytes] = field(default_factory=list)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return max(1, len(self.tp_addresses))
 
     async def refuse_busy(self, context: grpc.aio.ServicerContext, e: WorkerBusyError) -> NoReturn:
         """End the call with RESOURCE_EXHAUSTED and, in trailing metadata, when to retry
@@ -73,11 +80,24 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     setup_tracing(f"pdserve-{role}")
     engine = load_engine(args)
     runner = engine.runner
+    transport = None
+    tp_addresses: list[bytes] = []
+    if role != "colocated":
+        transport = create_transport(args.kv_transport)
+        transport.register_pool(runner.kv_cache)
+        if runner.tp is not None:  # every rank moves its own heads (`tp_kv.py`)
+            tp_addresses = gather_addresses(transport)
     if runner.tp is not None and runner.tp.rank != 0:
-        # A tensor-parallel rank serves nothing: it runs rank 0's steps until rank 0 stops
-        # (Ctrl-C reaches the whole process group; rank 0 alone decides when to stop).
+        # A tensor-parallel rank serves nothing: it runs rank 0's steps and KV commands
+        # until rank 0 stops (Ctrl-C reaches the whole process group; rank 0 decides).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        runner.follow()
+        on_command = None
+        if transport is not None:
+            on_command = FollowerKv(runner.tp.rank, transport, runner.kv_cache,
+                                    args.transfer_timeout)  # fmt: skip
+        runner.follow(on_command)
+        if transport is not None:
+            transport.close()
         return 0
     group = current_group()
     tp_group = group if group is not None and group.kind == "tensor" else None
@@ -112,10 +132,6 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         raise ValueError(f"ttft_target_ms: must be >= 0, got {args.ttft_target_ms}")
     loop.ttft_target_s = args.ttft_target_ms / 1000
     model = os.path.basename(str(engine.model_dir))
-    transport = None
-    if role != "colocated":
-        transport = create_transport(args.kv_transport)
-        transport.register_pool(engine.runner.kv_cache)
     worker = Worker(
         role=role,
         worker_id=worker_id,
@@ -127,6 +143,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         group=ranks[0]["group"] if ranks else "",
         group_rank=rank,
         group_size=group.world_size if group else 1,
+        tp_addresses=tp_addresses,
     )
     names = _add_servicer(worker, process, args)
     from pdserve.services.status import StatusHub

@@ -94,6 +94,20 @@ class KvTransport(ABC):
         """Send these blocks of the pool, in order, to the receive posted under `tag` at
         `peer` (its `address`)."""
 
+    @abstractmethod
+    def post_receive_buffers(
+        self, tag: int, buffers: Sequence[tuple[int, torch.Tensor]], timeout: float
+    ) -> Future[TransferResult]:
+        """Receive messages sent under `tag` into contiguous buffers that are not the pool:
+        `(index, buffer)` gets the message sent under `tag | index` (by any peer). Tensor
+        parallelism's head slices travel so (`head_slices.py`)."""
+
+    @abstractmethod
+    def send_buffers(
+        self, peer: bytes, tag: int, buffers: Sequence[tuple[int, torch.Tensor]], timeout: float
+    ) -> Future[TransferResult]:
+        """Send each `(index, buffer)` under `tag | index` to `peer`."""
+
     def check_peer(self, peer: bytes) -> None:
         """Raise `KvTransferError` when `peer` cannot be an address of this transport (a
         caller's mistake, found before anything is sent)."""

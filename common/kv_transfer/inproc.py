@@ -25,6 +25,8 @@ class _Receive:
     future: Future[TransferResult]
     posted: float
     timer: threading.Timer
+    buffers: dict[int, torch.Tensor] | None = None  # a buffer receive: index → buffer
+    nbytes: int = 0  # bytes of its buffers filled so far
 
 
 class InprocTransport(KvTransport):
@@ -91,6 +93,52 @@ class InprocTransport(KvTransport):
             future.set_result(TransferResult(len(block_ids), nbytes, now - start))
         except KvTransferError as e:
             future.set_exception(e)
+        return future
+
+    def post_receive_buffers(
+        self, tag: int, buffers: Sequence[tuple[int, torch.Tensor]], timeout: float
+    ) -> Future[TransferResult]:
+        future: Future[TransferResult] = Future()
+        timer = threading.Timer(timeout, self._fail, (tag, f"timed out after {timeout:.1f} s"))
+        timer.daemon = True
+        with self._lock:
+            indices = [i for i, _ in buffers]  # counted as its "blocks"
+            self._receives[tag] = _Receive(indices, future, time.monotonic(), timer, dict(buffers))
+        timer.start()
+        return future
+
+    def send_buffers(
+        self, peer: bytes, tag: int, buffers: Sequence[tuple[int, torch.Tensor]], timeout: float
+    ) -> Future[TransferResult]:
+        """Copy each buffer into the peer's receive buffer of the same index; the receive
+        completes once all of its buffers came (from one or several senders)."""
+        future: Future[TransferResult] = Future()
+        start = time.monotonic()
+        with _registry_lock:
+            target = _registry.get(peer)
+        with target._lock if target is not None else threading.Lock():
+            receive = target._receives.get(tag) if target is not None else None
+            wanted = receive.buffers if receive is not None else None
+            if wanted is None or any(i not in wanted for i, _ in buffers):
+                future.set_exception(
+                    KvTransferError(f"no buffer receive for these indices under tag {tag:#x}")
+                )
+                return future
+            nbytes = 0
+            for index, buffer in buffers:
+                wanted.pop(index).copy_(buffer)
+                nbytes += buffer.numel() * buffer.element_size()
+            receive.nbytes += nbytes
+            complete = not wanted
+            if complete:
+                target._receives.pop(tag)
+        now = time.monotonic()
+        if complete:
+            receive.timer.cancel()
+            receive.future.set_result(
+                TransferResult(len(receive.block_ids), receive.nbytes, now - receive.posted)
+            )
+        future.set_result(TransferResult(len(buffers), nbytes, now - start))
         return future
 
     def cancel(self, tag: int) -> None:

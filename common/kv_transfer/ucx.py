@@ -120,8 +120,10 @@ def _request_canceller() -> Any:
 class _Transfer:
     tag: int
     peer: bytes | None  # None for a receive
-    block_ids: list[int]
+    views: list[tuple[int, Any]]  # (index under the tag, buffer view)
+    nbytes: int
     timeout: float
+    keep: Any = None  # buffers that are not the pool's: alive until the transfer ends
     future: Future[TransferResult] = field(default_factory=Future)
     start: float = field(default_factory=time.monotonic)
     requests: list[Any] = field(default_factory=list)
@@ -160,7 +162,7 @@ class UcxTransport(KvTransport):
         self._block_nbytes = 0
         self._pool: torch.Tensor | None = None  # keeps the blocks' memory alive
         # Owned by the thread.
-        self._transfers: dict[tuple[int, bool], _Transfer] = {}
+        self._transfers: dict[tuple[int, bytes | None], _Transfer] = {}
         self._endpoints: dict[bytes, Any] = {}
         # Endpoints out of the cache, to be closed once their other sends are done:
         # (endpoint, peer, close at the latest, why).
@@ -195,7 +197,7 @@ class UcxTransport(KvTransport):
         self, tag: int, block_ids: Sequence[int], timeout: float
     ) -> Future[TransferResult]:
         self.check_blocks(block_ids, self._num_blocks())
-        return self._submit(_Transfer(tag, None, list(block_ids), timeout))
+        return self._submit(_Transfer(tag, None, *self._block_views(block_ids), timeout))
 
     def send(
         self, peer: bytes, tag: int, block_ids: Sequence[int], timeout: float
@@ -207,7 +209,40 @@ class UcxTransport(KvTransport):
             future: Future[TransferResult] = Future()
             future.set_exception(e)
             return future
-        return self._submit(_Transfer(tag, bytes(peer), list(block_ids), timeout))
+        return self._submit(_Transfer(tag, bytes(peer), *self._block_views(block_ids), timeout))
+
+    def post_receive_buffers(
+        self, tag: int, buffers: Sequence[tuple[int, torch.Tensor]], timeout: float
+    ) -> Future[TransferResult]:
+        views, nbytes = self._buffer_views(buffers)
+        return self._submit(_Transfer(tag, None, views, nbytes, timeout, keep=buffers))
+
+    def send_buffers(
+        self, peer: bytes, tag: int, buffers: Sequence[tuple[int, torch.Tensor]], timeout: float
+    ) -> Future[TransferResult]:
+        try:
+            _unseal(peer)
+        except KvTransferError as e:
+            future: Future[TransferResult] = Future()
+            future.set_exception(e)
+            return future
+        views, nbytes = self._buffer_views(buffers)
+        return self._submit(_Transfer(tag, bytes(peer), views, nbytes, timeout, keep=buffers))
+
+    def _block_views(self, block_ids: Sequence[int]) -> tuple[list[tuple[int, Any]], int]:
+        views = [(i, self._views[b]) for i, b in enumerate(block_ids)]
+        return views, len(views) * self._block_nbytes
+
+    def _buffer_views(
+        self, buffers: Sequence[tuple[int, torch.Tensor]]
+    ) -> tuple[list[tuple[int, Any]], int]:
+        views = []
+        for index, buffer in buffers:
+            if not buffer.is_contiguous():
+                raise ValueError("buffers: must be contiguous")
+            raw = buffer.detach().view(torch.uint8).reshape(-1)
+            views.append((index, self._array(raw.numpy() if raw.device.type == "cpu" else raw)))
+        return views, sum(b.numel() * b.element_size() for _, b in buffers)
 
     def check_peer(self, peer: bytes) -> None:
         _unseal(peer)
@@ -357,20 +392,20 @@ class UcxTransport(KvTransport):
         return command[0] == "close"
 
     def _start(self, t: _Transfer) -> None:
-        key = (t.tag, t.peer is not None)
+        key = (t.tag, t.peer)
         if key in self._transfers:
             t.future.set_exception(KvTransferError(f"{t.name}: tag already in use"))
             return
         self._transfers[key] = t
-        ucx, views = self._ucx, self._views
+        ucx = self._ucx
         try:
             if t.peer is None:
                 post = self._worker.tag_recv
             else:
                 t.endpoint = self._endpoint(t.peer)
                 post = t.endpoint.tag_send
-            for i, b in enumerate(t.block_ids):
-                t.requests.append(post(views[b], ucx.UCXXTag(t.tag | i)))
+            for i, view in t.views:
+                t.requests.append(post(view, ucx.UCXXTag(t.tag | i)))
         except Exception as e:
             self._abort(t, f"posting failed: {type(e).__name__}: {e}", time.monotonic())
 
@@ -481,11 +516,11 @@ class UcxTransport(KvTransport):
             self._retire_endpoint(t.peer, t.endpoint, f"{t.name} was aborted ({why})", now)
 
     def _finish(self, t: _Transfer, now: float) -> None:
-        del self._transfers[(t.tag, t.peer is not None)]
+        del self._transfers[(t.tag, t.peer)]
         t.requests = []
         t.endpoint = None
+        t.keep = None
         if t.failure is None:
-            n = len(t.block_ids)
-            t.future.set_result(TransferResult(n, n * self._block_nbytes, now - t.start))
+            t.future.set_result(TransferResult(len(t.views), t.nbytes, now - t.start))
         else:
             t.future.set_exception(KvTransferError(f"{t.name}: {t.failure}"))

@@ -7,12 +7,18 @@ is), then one int64 tensor with the token ids, positions, KV slots, block tables
 lengths and the rows that sample. Block ids are rank 0's: every rank's cache has the same
 blocks, each holding that rank's heads, so the KV manager lives on rank 0 alone. Between
 steps rank 0 sends a keep-alive at least every `KEEPALIVE_S`, so an idle group's waiting
-ranks never reach the collective timeout; `STOP` ends them."""
+ranks never reach the collective timeout; `STOP` ends them. A `COMMAND` is any other work
+for the ranks, in order with the steps (tensor parallelism's KV transfers,
+`services/tp_kv.py`): one picklable object to every rank, then an all-reduce of each rank's
+status (0: done), so rank 0 learns whether all of them managed."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +27,9 @@ from torch import Tensor
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.tensor_parallel import TensorShard
 
-STEP, KEEPALIVE, STOP = 0, 1, 2
+logger = logging.getLogger(__name__)
+
+STEP, KEEPALIVE, STOP, COMMAND = 0, 1, 2, 3
 KEEPALIVE_S = 10.0
 _HEADER = 8
 
@@ -82,14 +90,37 @@ class StepSender:
     def stop(self) -> None:
         self._broadcast_header([STOP] + [0] * (_HEADER - 1))
 
+    def command(self, obj: Any) -> int:
+        """Hand `obj` to every other rank's command handler; the worst status any of them
+        returned (0: all done)."""
+        self._broadcast_header([COMMAND] + [0] * (_HEADER - 1))
+        dist.broadcast_object_list([obj], 0, group=self.shard.group)
+        return _worst_status(0, self.shard, self.device)
+
     def _broadcast_header(self, values: list[int]) -> None:
         header = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.broadcast(header, 0, group=self.shard.group)
         self.last_sent = time.monotonic()
 
 
-def receive_step(shard: TensorShard, device: torch.device) -> StepInputs | None:
-    """Ranks 1..N-1: the next step's inputs, or None once rank 0 stops."""
+def _worst_status(status: int, shard: TensorShard, device: torch.device) -> int:
+    flag = torch.tensor([status], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
+    return int(flag.item())
+
+
+CommandHandler = Callable[[Any], int]
+
+
+def _no_commands(obj: Any) -> int:
+    return 1  # a rank without a handler cannot do the work: rank 0 learns it failed
+
+
+def receive_step(
+    shard: TensorShard, device: torch.device, on_command: CommandHandler = _no_commands
+) -> StepInputs | None:
+    """Ranks 1..N-1: the next step's inputs, or None once rank 0 stops. Commands that come
+    first are run here (`on_command`, its status reported to rank 0)."""
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     while True:
         dist.broadcast(header, 0, group=shard.group)
@@ -98,6 +129,15 @@ def receive_step(shard: TensorShard, device: torch.device) -> StepInputs | None:
             return None
         if kind == STEP:
             break
+        if kind == COMMAND:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, 0, group=shard.group)
+            try:
+                status = on_command(box[0])
+            except Exception:
+                logger.exception("tensor-parallel command failed")
+                status = 1
+            _worst_status(status, shard, device)
     sizes = [
         tokens,
         tokens,

@@ -18,7 +18,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from pdserve.common.engine import RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
-from pdserve.common.kv_transfer import KvTransferError, settled
+from pdserve.common.kv_transfer import KvTransferError, TransferResult, settled
+from pdserve.common.kv_transfer.head_slices import plan
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
 from pdserve.services.convert import (
@@ -30,6 +31,7 @@ from pdserve.services.convert import (
 )
 from pdserve.services.decode.admission import Admission, AdmissionQueueFull
 from pdserve.services.decode.prefill_peers import PrefillPeers, UnknownPrefillWorker
+from pdserve.services.tp_kv import SliceReceive
 from pdserve.services.worker import Worker
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2
 
@@ -225,6 +227,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"{h.layout_fingerprint!r} does not match this worker's KV layout "
                 f"{engine.runner.layout_fingerprint!r} (model, dtype or block size differ)",
             )
+        if h.tensor_parallel > 1:
+            if len(h.rank_transport_addresses) != h.tensor_parallel - 1:
+                raise InvalidRequestError(
+                    "kv_handle.rank_transport_addresses",
+                    f"a prefill group of {h.tensor_parallel} needs {h.tensor_parallel - 1}, "
+                    f"got {len(h.rank_transport_addresses)}",
+                )
+            try:
+                plan(engine.runner.hf_config.num_key_value_heads, h.tensor_parallel,
+                     w.tensor_parallel)  # fmt: skip
+            except ValueError as e:
+                raise InvalidRequestError("kv_handle.tensor_parallel", str(e)) from None
         if h.block_size != engine.config.block_size:
             raise InvalidRequestError(
                 "kv_handle.block_size", f"must be {engine.config.block_size}, got {h.block_size}"
@@ -272,7 +286,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )  # fmt: skip
         tag = transport.new_tag()
         timeout = w.transfer_timeout_s
-        received = transport.post_receive(tag, dst, timeout)
+        # Tensor parallelism on either side: head slices to every rank (`tp_kv.py`).
+        sliced = handle.tensor_parallel > 1 or w.tensor_parallel > 1
+        slices: SliceReceive | None = None
+        if sliced:
+            try:
+                slices = await self._post_slices(handle, dst, tag)
+            except KvTransferError as e:
+                transfer.end()
+                raise PullFailed(f"KV pull from {handle.worker_id}: {e}") from None
+            received = slices.future
+        else:
+            received = transport.post_receive(tag, dst, timeout)
         call = stub.TransferKv(
             prefill_pb2.TransferKvRequest(
                 lease_id=handle.lease_id,
@@ -280,6 +305,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 receiver_address=transport.address,
                 tag=tag,
                 num_blocks=len(dst),
+                receiver_tensor_parallel=w.tensor_parallel if w.tensor_parallel > 1 else 0,
+                rank_receiver_addresses=w.tp_addresses[1:],
             ),
             timeout=timeout,
             metadata=metadata_for_call(transfer),
@@ -287,10 +314,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             await call
             result = await asyncio.wrap_future(received)
+            if slices is not None:
+                result = await self._land_slices(slices, len(dst))
         except (grpc.aio.AioRpcError, KvTransferError, asyncio.CancelledError) as e:
             transport.cancel(tag)
             call.cancel()
             await settled(received)  # only then may the caller free the blocks
+            if slices is not None and w.tensor_parallel > 1:
+                await self._group_command({"kind": "drop", "tag": tag})
             w.metrics.transfer_failed(transport.kind, "receive")
             if isinstance(e, asyncio.CancelledError):
                 transfer.end()
@@ -314,6 +345,39 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
         transfer.end()
         return result.num_blocks
+
+    async def _post_slices(self, handle: kv_pb2.KvHandle, dst: list[int], tag: int) -> SliceReceive:
+        """Post this rank's receives of its head slices, and have the group's other ranks
+        post theirs."""
+        w = self.worker
+        assert w.transport is not None
+        runner = w.loop.engine.runner
+        slices = plan(runner.hf_config.num_key_value_heads, max(1, handle.tensor_parallel),
+                      w.tensor_parallel)  # fmt: skip
+        mine = [s for s in slices if s.dst_rank == 0]
+        receive = SliceReceive(w.transport, runner.kv_cache, dst, mine, tag, w.transfer_timeout_s)
+        if w.tensor_parallel > 1:
+            command = {"kind": "post", "tag": tag, "blocks": dst, "plan": slices}
+            if await self._group_command(command):
+                receive.drop()
+                await self._group_command({"kind": "drop", "tag": tag})
+                raise KvTransferError("a tensor-parallel rank could not post its receives")
+        return receive
+
+    async def _land_slices(self, receive: SliceReceive, num_blocks: int) -> TransferResult:
+        """Every rank's slices in its blocks (this rank's copied in here), or KvTransferError."""
+        result = receive.future.result()
+        receive.land()
+        if self.worker.tensor_parallel > 1 and await self._group_command(
+            {"kind": "land", "tag": receive.tag}
+        ):
+            raise KvTransferError("a tensor-parallel rank's KV slices did not arrive")
+        return TransferResult(num_blocks, result.num_bytes, result.seconds)
+
+    async def _group_command(self, command: dict) -> int:
+        sender = self.worker.loop.engine.runner.step_sender
+        assert sender is not None
+        return await self.worker.loop.call(lambda: sender.command(command))
 
 
 def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:

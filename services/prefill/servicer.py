@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry.trace import SpanKind
 
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
-from pdserve.common.kv_transfer import KvTransferError, settled
+from pdserve.common.kv_transfer import KvTransferError, TransferResult, settled
+from pdserve.common.kv_transfer.head_slices import plan
 from pdserve.common.request import Request
 from pdserve.common.tracing import context_from_metadata, record_phases, tracer
 from pdserve.services.convert import logprobs_to_proto, resume_from_proto, worker_request
 from pdserve.services.prefill.leases import Lease, LeaseBusy, LeaseError, LeaseTable
+from pdserve.services.tp_kv import all_of, send_slices
 from pdserve.services.worker import Worker
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -120,6 +123,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             block_size=w.loop.engine.config.block_size,
             layout_fingerprint=w.loop.engine.runner.layout_fingerprint,
             lease_expires_at=expires,
+            tensor_parallel=w.tensor_parallel if w.tensor_parallel > 1 else 0,
+            rank_transport_addresses=w.tp_addresses[1:],
         )
 
     async def TransferKv(
@@ -152,6 +157,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"receiver_address: {e}")
         try:
             block_ids = self.leases.begin_send(lease_id, request.first_block, request.num_blocks)
+            block_ids = list(block_ids)
         except LeaseError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, e.args[0])
         except LeaseBusy as e:
@@ -160,16 +166,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         transport = w.transport
         error: KvTransferError | None = None
+        future: Future[TransferResult] | None = None
         try:
-            future = transport.send(
-                request.receiver_address, request.tag, block_ids, w.transfer_timeout_s
-            )
+            if w.tensor_parallel > 1 or request.receiver_tensor_parallel > 1:
+                future = await self._send_slices(request, block_ids)
+            else:
+                future = transport.send(
+                    request.receiver_address, request.tag, block_ids, w.transfer_timeout_s
+                )
             result = await asyncio.wrap_future(future)
         except KvTransferError as e:
             error = e
         except asyncio.CancelledError:  # the decode worker gave up
             transport.cancel(request.tag)
-            await settled(future)
+            if future is not None:
+                await settled(future)
             w.metrics.transfer_failed(transport.kind, "send")
             raise
         finally:
@@ -185,6 +196,38 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.TransferKvResponse(
             num_blocks=result.num_blocks, num_bytes=result.num_bytes
         )
+
+    async def _send_slices(
+        self, request: prefill_pb2.TransferKvRequest, block_ids: list[int]
+    ) -> Future[TransferResult]:
+        """Tensor parallelism on either side: every rank of this group sends the head slices
+        it holds to the decode ranks that keep them (`tp_kv.py`). The future is this rank's
+        sends; the other ranks' arrive at the decode ranks, which wait for all."""
+        w = self.worker
+        assert w.transport is not None
+        runner = w.loop.engine.runner
+        peers = [request.receiver_address, *request.rank_receiver_addresses]
+        dst_tp = max(1, request.receiver_tensor_parallel)
+        if len(peers) != dst_tp:
+            raise KvTransferError(
+                f"rank_receiver_addresses: a receiving group of {dst_tp} needs "
+                f"{dst_tp - 1}, got {len(peers) - 1}"
+            )
+        for peer in peers:
+            w.transport.check_peer(peer)
+        slices = plan(runner.hf_config.num_key_value_heads, w.tensor_parallel, dst_tp)
+        timeout = w.transfer_timeout_s
+        mine = [s for s in slices if s.src_rank == 0]
+        futures = send_slices(w.transport, runner.kv_cache, block_ids, mine, peers,
+                              request.tag, timeout)  # fmt: skip
+        if w.tensor_parallel > 1:
+            command = {"kind": "send", "tag": request.tag, "blocks": block_ids,
+                       "plan": slices, "peers": peers}  # fmt: skip
+            sender = runner.step_sender
+            assert sender is not None
+            if await w.loop.call(lambda: sender.command(command)):
+                raise KvTransferError("a tensor-parallel rank could not send its KV slices")
+        return all_of(futures, len(block_ids))
 
     async def ReleaseKv(
         self, request: prefill_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext

@@ -205,6 +205,10 @@ def test_malformed_kv_handle_is_refused(cluster):
         "kv_handle.lease_id": dict(lease_id=""),
         "kv_handle.num_tokens": dict(num_tokens=21),
         "kv_handle.block_size": dict(block_size=8),
+        # A tensor-parallel prefill group must name its other ranks' transport addresses,
+        "kv_handle.rank_transport_addresses": dict(tensor_parallel=2),
+        # and be a size the model's 3 KV heads split into.
+        "kv_handle.tensor_parallel": dict(tensor_parallel=4, rank_transport_addresses=[b"x"] * 3),
     }
     for field_name, change in cases.items():
         request = decode_pb2.DecodeRequest(
