@@ -48,6 +48,12 @@ class SampledToken:
     logprobs: TokenLogprobs | None
 
 
+def _group_timeout_s() -> float:
+    import os
+
+    return float(os.environ.get("PDSERVE_EP_TIMEOUT", "300"))
+
+
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
@@ -164,7 +170,12 @@ class ModelRunner:
         world_size = self.config.tensor_parallel
         if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise RuntimeError(f"tensor_parallel={world_size} needs a process group of that size")
-        return TensorShard(dist.get_rank(), world_size)
+        rank, shm = dist.get_rank(), None
+        if self.device.type == "cpu":  # the ranks of one host: collectives in shared memory
+            from pdserve.kernels import shm_collective
+
+            shm = shm_collective.create(rank, world_size, _group_timeout_s())
+        return TensorShard(rank, world_size, shm=shm)
 
     def follow(self, on_command: CommandHandler | None = None) -> None:
         """Tensor-parallel ranks 1..N-1: run rank 0's steps on this rank's shard, and its

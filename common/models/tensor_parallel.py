@@ -26,13 +26,31 @@ rank processes join (`expert_parallel.init_group`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from pdserve.common.models.linear import Linear
+
+
+@dataclass
+class CollectiveBytes:
+    """Bytes this rank put into the group's collectives (benchmarks read it): an
+    all-gather sends its part to N-1 ranks; an all-reduce (ring) 2(N-1)/N of its tensor."""
+
+    sent: int = 0
+
+    def all_gather(self, part: Tensor, world_size: int) -> None:
+        self.sent += part.numel() * part.element_size() * (world_size - 1)
+
+    def all_reduce(self, x: Tensor, world_size: int) -> None:
+        self.sent += x.numel() * x.element_size() * 2 * (world_size - 1) // world_size
+
+
+COLLECTIVE_BYTES = CollectiveBytes()
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,8 @@ class TensorShard:
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None  # None: the default group
+    # CPU ranks of one host: the shared-memory all-gather (`kernels/shm_collective.py`).
+    shm: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -128,18 +148,38 @@ def head_rows(heads: range, head_dim: int) -> Tensor:
     return torch.arange(heads.start * head_dim, heads.stop * head_dim)
 
 
+def all_gather(part: Tensor, shard: TensorShard) -> list[Tensor]:
+    """Every rank's `part`, in rank order (through shared memory when it fits; use the
+    parts before the next collective)."""
+    COLLECTIVE_BYTES.all_gather(part, shard.world_size)
+    if shard.shm is not None and shard.shm.fits(part):
+        return shard.shm.all_gather(part)
+    parts = [torch.empty_like(part) for _ in range(shard.world_size)]
+    dist.all_gather(parts, part.contiguous(), group=shard.group)
+    return parts
+
+
+def sum_in_rank_order(parts: list[Tensor]) -> Tensor:
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def sum_exact(x: Tensor, shard: TensorShard) -> Tensor:
     """The sum over ranks where at most one rank holds a nonzero at each place (the
-    vocabulary-parallel embedding): exact in any order, so one all-reduce."""
+    vocabulary-parallel embedding): exact in any order, so one all-reduce (or, through
+    shared memory, the gathered parts added)."""
+    if shard.shm is not None and shard.shm.fits(x):
+        return sum_in_rank_order(all_gather(x, shard))
     dist.all_reduce(x, group=shard.group)
+    COLLECTIVE_BYTES.all_reduce(x, shard.world_size)
     return x
 
 
 def gather_vocab(local: Tensor, shard: TensorShard, vocab_size: int) -> Tensor:
     """Every rank's logits [rows, vocab_width] → [rows, vocab_size], in vocabulary order."""
-    parts = [torch.empty_like(local) for _ in range(shard.world_size)]
-    dist.all_gather(parts, local.contiguous(), group=shard.group)
-    return torch.cat(parts, dim=1)[:, :vocab_size]
+    return torch.cat(all_gather(local, shard), dim=1)[:, :vocab_size]
 
 
 class RowParallel:
@@ -155,11 +195,7 @@ class RowParallel:
 
     def __call__(self, x: Tensor) -> Tensor:
         partial = self.linear(x).float()
-        parts = [torch.empty_like(partial) for _ in range(self.shard.world_size)]
-        dist.all_gather(parts, partial.contiguous(), group=self.shard.group)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
+        total = sum_in_rank_order(all_gather(partial, self.shard))
         if self.bias is not None:
             total = total + self.bias
         return total.to(self.dtype)

@@ -708,6 +708,56 @@ def test_prometheus_rule_records_latency_percentiles(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# --- tensor parallelism ------------------------------------------------------------------------
+
+
+def test_tensor_parallel_pools_get_the_flag_and_a_gpu_per_rank(monkeypatch) -> None:
+    docs = manifests("tensor-parallel")
+    for role, ranks in (("prefill", 4), ("decode", 2)):
+        c = container(deployment(docs, role))
+        args, _, env = parse_container(c, monkeypatch)
+        assert args.tensor_parallel == ranks and env["PDSERVE_TENSOR_PARALLEL"] == str(ranks)
+        assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == ranks
+        assert int(c["resources"]["requests"]["nvidia.com/gpu"]) == ranks
+        assert [p["name"] for p in c["ports"]] == ["grpc", "metrics"]  # one endpoint
+    # One GPU asked for but 2 ranks: the pod asks for 2; on CPU (gpus 0) for none.
+    docs = render("default", "decode.tensorParallel=2")
+    c = container(deployment(docs, "decode"))
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 2
+    docs = render("cpu-only", "decode.tensorParallel=2")
+    c = container(deployment(docs, "decode"))
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    args, _, env = parse_container(container(deployment(render("default"), "decode")), monkeypatch)
+    assert args.tensor_parallel == 1 and "PDSERVE_TENSOR_PARALLEL" not in env
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["decode.tensorParallel=0"], "decode.tensorParallel must be an integer >= 1"),
+        (["prefill.tensorParallel=1.5"], "prefill.tensorParallel must be an integer >= 1"),
+        (
+            ["decode.tensorParallel=2", "decode.expertParallel=2", "decode.gpus=2"],
+            "decode.tensorParallel and decode.expertParallel cannot both be > 1",
+        ),
+        (
+            ["decode.tensorParallel=2", "decode.device=cuda:1"],
+            "decode.device cuda:1 would put every rank on one GPU",
+        ),
+    ],
+)
+def test_bad_tensor_parallel_values_fail_the_render(sets, message) -> None:
+    for skip in ([], ["--skip-schema-validation"]):
+        args = ["template", RELEASE, str(CHART), *skip]
+        for s in sets:
+            args += ["--set", s]
+        result = helm(*args, check=False)
+        assert result.returncode != 0
+        if not skip and "values don't meet the specifications of the schema" in result.stderr:
+            continue  # the schema caught it first
+        assert message in result.stderr, result.stderr
+
+
 # --- expert parallelism ------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ holds only its heads, MLP rows and vocabulary range, and its KV cache only its K
   Llama / Qwen2 (biases; 3 KV heads) / Mistral (1 KV head, replicated) models, and at 4
   ranks with replicated KV heads.
 - In bfloat16 a request's ids under tensor parallelism do not depend on its batch (all
-  prompts at once, or one at a time).
+  prompts at once, or one at a time), nor on whether the ranks' collectives go through
+  shared memory or gloo.
 - `pdserve colocated --tensor-parallel 2` serves the offline engine's ids at the same TP,
   with every KV block free afterwards; SIGKILL of rank 1 takes the group down with an
   error naming the rank (no hang).
@@ -36,14 +37,14 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
 
 
-def generate(tmp: Path, lines: list[dict], *flags: str) -> list[dict]:
+def generate(tmp: Path, lines: list[dict], *flags: str, env: dict | None = None) -> list[dict]:
     """`pdserve generate` over `lines`: its output rows, in order (bounded: 10 minutes)."""
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     run = subprocess.run(
         [sys.executable, "-m", "pdserve.services.cli", "generate", "--input", str(src),
          "--output", str(dst), "--no-progress", "--threads", "1", *flags],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return [json.loads(line) for line in dst.read_text().splitlines()]
@@ -94,6 +95,16 @@ def offline_tp2(tmp_path_factory) -> list[list[int]]:
 def test_bf16_ids_do_not_depend_on_the_batch(tmp_path, offline_tp2):
     alone = generate(tmp_path, chat_lines()[::-1], "--tensor-parallel", "2", "--max-num-seqs", "1")
     assert [row["token_ids"] for row in alone[::-1]] == offline_tp2
+
+
+def test_shared_memory_and_gloo_collectives_give_the_same_ids(tmp_path, offline_tp2):
+    """The fixture ran with the shared-memory all-gather (kernels/shm_collective.py); over
+    gloo the rank-order sums are the same, so are the ids."""
+    from pdserve.kernels import shm_collective
+
+    assert shm_collective.load() is not None  # else both runs took gloo
+    gloo = generate(tmp_path, chat_lines(), "--tensor-parallel", "2", env={"PDSERVE_TP_SHM": "0"})
+    assert [row["token_ids"] for row in gloo] == offline_tp2
 
 
 def _stream(address: str, question: str) -> list[int]:

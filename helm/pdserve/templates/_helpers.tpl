@@ -272,6 +272,27 @@ affinity:
 {{- end }}
 {{- end -}}
 
+{{/* The tensor-parallel rank count of a worker pool (dict "root" . "component" "decode"),
+checked: an integer >= 1, not combined with expertParallel, no single cuda:N device. The
+pod asks for max(gpus, tensorParallel) GPUs when gpus > 0 (rank r uses cuda:r). */}}
+{{- define "pdserve.tensorParallel" -}}
+{{- $role := .component -}}
+{{- $pool := index .root.Values $role -}}
+{{- $tp := 1 -}}
+{{- if hasKey $pool "tensorParallel" -}}{{- $tp = $pool.tensorParallel -}}{{- end -}}
+{{- $isNumber := or (kindIs "int64" $tp) (kindIs "int" $tp) (kindIs "float64" $tp) -}}
+{{- if or (not $isNumber) (and $isNumber (or (lt (float64 $tp) 1.0) (ne (float64 $tp) (float64 (int64 $tp))))) -}}
+{{- fail (printf "%s.tensorParallel must be an integer >= 1 (the tensor-parallel rank processes of each pod), got %v" $role $tp) -}}
+{{- end -}}
+{{- if and (gt (int $tp) 1) (gt (int $pool.expertParallel) 1) -}}
+{{- fail (printf "%s.tensorParallel and %s.expertParallel cannot both be > 1 yet" $role $role) -}}
+{{- end -}}
+{{- if and (gt (int $tp) 1) (hasPrefix "cuda:" $pool.device) -}}
+{{- fail (printf "%s.device %s would put every rank on one GPU: with tensorParallel > 1 use cuda (rank r takes cuda:r)" $role $pool.device) -}}
+{{- end -}}
+{{- int $tp -}}
+{{- end -}}
+
 {{/* The expert-parallel rank count of a worker pool, checked with what depends on it:
 (dict "root" . "component" "decode"). Rank r of a pod listens on port + r and metrics.port + r
 and uses cuda:r. The schema checks the types too; this also covers --skip-schema-validation. */}}

@@ -6,6 +6,7 @@
 {{- $pool := index $v $role -}}
 {{- $e := $pool.engine -}}
 {{- $ep := include "pdserve.expertParallel" . | int -}}
+{{- $tp := include "pdserve.tensorParallel" . | int -}}
 {{- $kv := include "pdserve.kvOffload" . | fromYaml -}}
 {{- $shared := include "pdserve.kvShared" . | fromYaml -}}
 apiVersion: apps/v1
@@ -149,6 +150,12 @@ spec:
             - name: PDSERVE_EXPERT_PARALLEL
               value: {{ $ep | quote }}
             {{- end }}
+            {{- if gt $tp 1 }}
+            # Tensor parallelism: this process is rank 0 and starts ranks 1..N-1 in the
+            # container (rank r uses cuda:r); the group is one worker to the coordinator.
+            - name: PDSERVE_TENSOR_PARALLEL
+              value: {{ $tp | quote }}
+            {{- end }}
             {{- if gt (int $pool.redundantExperts) 0 }}
             - name: PDSERVE_REDUNDANT_EXPERTS
               value: {{ $pool.redundantExperts | int | quote }}
@@ -183,8 +190,9 @@ spec:
             {{- $requests := $res.requests | default dict }}
             {{- $limits := $res.limits | default dict }}
             {{- if gt (int $pool.gpus) 0 }}
-            {{- $_ := set $requests "nvidia.com/gpu" $pool.gpus }}
-            {{- $_ := set $limits "nvidia.com/gpu" $pool.gpus }}
+            {{- $gpus := max (int $pool.gpus) $tp }}
+            {{- $_ := set $requests "nvidia.com/gpu" $gpus }}
+            {{- $_ := set $limits "nvidia.com/gpu" $gpus }}
             {{- end }}
             {{- if $v.rdma.enabled }}
             {{- $_ := set $requests $v.rdma.resourceName $v.rdma.count }}
