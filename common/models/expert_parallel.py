@@ -216,6 +216,8 @@ def init_group(rank: int, world_size: int, address: str, device: str, timeout_s:
     """Join the expert-parallel group at `address` (host:port of rank 0's store): gloo for
     CPU, NCCL for CUDA. A collective that waits longer than `timeout_s` (a rank died or
     hangs) raises instead of waiting forever."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
         init_method=f"tcp://{address}",
