@@ -34,7 +34,12 @@ from pdserve.common.models.expert_parallel import (
 from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import ModelFamily, MoeSpec, is_sparse_layer
 from pdserve.common.models.linear import Linear
-from pdserve.common.models.tensor_parallel import RowParallel, TensorShard
+from pdserve.common.models.tensor_parallel import (
+    RowParallel,
+    TensorShard,
+    all_gather,
+    sum_in_rank_order,
+)
 from pdserve.kernels import fused_ops as fused
 from pdserve.kernels import invariant_gemm
 from pdserve.kernels import moe as moe_kernels
@@ -96,6 +101,12 @@ class SparseMoeBlock:
     shard: ExpertShard | None = None
     slots: SlotMap | None = None
     traffic: TrafficCounter | None = None
+    # Tensor parallelism: w13 / w2 hold experts `local` of the group's split; every rank
+    # routes every token and runs the pairs of its experts, and the ranks' partial sums are
+    # added in rank order (expert parallelism inside the tensor-parallel group, as vLLM's
+    # --enable-expert-parallel).
+    tp: TensorShard | None = None
+    local: range | None = None
 
     @property
     def num_experts(self) -> int:
@@ -120,12 +131,34 @@ class SparseMoeBlock:
             out = ep_experts(
                 x, weights, ids, self.w13, self.w2, self.shard, self.traffic, self.slots
             )
+        elif self.tp is not None:
+            out = self._tp_experts(x, weights, ids)
         else:
             out = moe_kernels.experts(x, self.w13, self.w2, weights, ids)
         if self.shared is not None:
             assert self.shared_gate is not None
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
+
+    def _tp_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's experts' share of Σ_k weight · expert_k(x) for every token, summed
+        over the ranks (float32, rank order, one rounding)."""
+        assert self.tp is not None and self.local is not None
+        num_tokens = x.shape[0]
+        sorted_ = moe_kernels.sort_by_expert(ids, self.num_experts)
+        rows = x.index_select(0, sorted_.tokens)
+        first = sum(sorted_.counts[: self.local.start])
+        last = first + sum(sorted_.counts[self.local.start : self.local.stop])
+        out = torch.zeros_like(rows)
+        if last > first:
+            out[first:last] = moe_kernels.expert_mlps(
+                rows[first:last], sorted_.counts[self.local.start : self.local.stop],
+                self.w13, self.w2,
+            )  # fmt: skip
+        partial = moe_kernels.combine(out, sorted_, weights, num_tokens).float()
+        return sum_in_rank_order(all_gather(partial, self.tp)).to(x.dtype)
 
 
 Mlp = DenseMlp | SparseMoeBlock
@@ -187,6 +220,10 @@ def load_mlp(
     renormalize = spec.always_renormalize or bool(getattr(config, "norm_topk_prob", False))
     slots = shard.initial_slots() if shard is not None else None
     experts = shard.local_experts(slots) if shard is not None else None
+    local = None
+    if tp is not None:
+        local = tp.split(getattr(config, spec.num_experts_attr))
+        experts = torch.arange(local.start, local.stop)
     w13, w2 = _load_experts(config, spec, block, take, names, experts)
     moe = SparseMoeBlock(
         layer=layer,
@@ -200,9 +237,11 @@ def load_mlp(
         w2=_pack_experts(w2),
         shard=shard,
         slots=slots,
+        tp=tp,
+        local=local,
     )
     if spec.shared_expert:
-        moe.shared = load_dense_mlp(take, block + "shared_expert.")
+        moe.shared = load_dense_mlp(take, block + "shared_expert.", tp)
         moe.shared_gate = Linear(take(block + "shared_expert_gate.weight"))
     return moe
 

@@ -125,20 +125,22 @@ class TensorShard:
 
 def check_model(config, family_name: str, moe: bool, qk_norm: str, world_size: int) -> None:
     """Raise ValueError, naming the numbers, if `world_size` ranks cannot split this model
-    (checked for every rank before any process starts)."""
+    (checked for every rank before any process starts). A mixture of experts splits its
+    experts over the ranks too (`moe.SparseMoeBlock`); at least one each."""
     if world_size == 1:
         return
-    if moe:
-        raise ValueError(
-            f"tensor_parallel: {family_name} is a mixture-of-experts model; tensor "
-            "parallelism covers dense models so far (use --expert-parallel)"
-        )
     if qk_norm == "whole":
         raise ValueError(
             f"tensor_parallel: {family_name} normalises q and k over all heads at once; "
             "not supported with tensor parallelism"
         )
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    if moe and experts < world_size:
+        raise ValueError(
+            f"tensor_parallel: {family_name}'s {experts} experts cannot give each of "
+            f"{world_size} ranks one"
+        )
     for rank in range(world_size):
         TensorShard(rank, world_size).q_heads(heads, kv_heads)
 

@@ -5,6 +5,8 @@ holds only its heads, MLP rows and vocabulary range, and its KV cache only its K
   chat prompts for SmolLM2 (3 KV heads over 2 ranks: an uneven split) and on tiny random
   Llama / Qwen2 (biases; 3 KV heads) / Mistral (1 KV head, replicated) models, and at 4
   ranks with replicated KV heads.
+- Mixture-of-experts models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) split
+  their experts over the same ranks, and match transformers too.
 - In bfloat16 a request's ids under tensor parallelism do not depend on its batch (all
   prompts at once, or one at a time), nor on whether the ranks' collectives go through
   shared memory or gloo.
@@ -83,6 +85,23 @@ def test_tiny_models_match_transformers(tmp_path, default_model_dir, arch, heads
     model = load_reference(folder)
     for prompt, row in zip(prompts, rows, strict=True):
         assert row["token_ids"] == reference_greedy(model, prompt, 16, None)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_models_split_their_experts_too(tmp_path, default_model_dir, family):
+    """Mixture-of-experts models at TP 2: attention by heads, the experts (and Qwen2-MoE's
+    shared expert) split over the ranks; greedy ids equal transformers' in float32."""
+    from test_moe_greedy import build_tiny_moe
+
+    folder = build_tiny_moe(tmp_path / family, family, default_model_dir)
+    gen = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 40, 1, 17)]
+    lines = [{"token_ids": p, "max_tokens": 12, "ignore_eos": True} for p in prompts]
+    rows = generate(tmp_path, lines, "--model", str(folder), "--dtype", "float32",
+                    "--tensor-parallel", "2", "--max-num-batched-tokens", "32")  # fmt: skip
+    model = load_reference(folder)
+    for prompt, row in zip(prompts, rows, strict=True):
+        assert row["token_ids"] == reference_greedy(model, prompt, 12, None)
 
 
 @pytest.fixture(scope="module")

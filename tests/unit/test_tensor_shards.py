@@ -69,10 +69,15 @@ def test_unsplittable_models_are_refused_naming_the_numbers(heads, kv_heads, wor
     assert named in str(refused.value)
 
 
-def test_mixture_of_experts_and_whole_projection_norms_are_refused() -> None:
+def test_too_few_experts_and_whole_projection_norms_are_refused() -> None:
+    from transformers import MixtralConfig
+
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_model(config, "mixtral", True, "none", 2)
     with pytest.raises(ValueError, match="over all heads"):
         check_model(config, "olmoe", False, "whole", 2)
     check_model(config, "llama", False, "none", 2)  # a dense Llama splits
+    moe = MixtralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=2)  # fmt: skip
+    check_model(moe, "mixtral", True, "none", 2)  # one expert per rank
+    with pytest.raises(ValueError, match="2 experts cannot give each of 4 ranks one"):
+        check_model(moe, "mixtral", True, "none", 4)
