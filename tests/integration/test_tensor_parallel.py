@@ -28,8 +28,8 @@ import grpc
 import pytest
 import torch
 from chat_prompts import QUESTIONS
-from conftest import tiny_model
 from oracle import engine, load_reference, reference_greedy
+from tiny_models import tiny_model
 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from services import start
