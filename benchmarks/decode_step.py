@@ -119,6 +119,7 @@ def floors(
 
 
 CONTEXT = 200  # prompt tokens of every sequence in the engine steps
+STEPS = 15  # decode steps timed per batch size (their median is reported)
 
 
 def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, float]:
@@ -128,21 +129,29 @@ def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, floa
 
     engine = LLMEngine(EngineConfig(kv_cache_tokens=32768, threads=threads, dtype=dtype))
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    # Long enough that no sequence finishes while the others are still in prefill (with 60
+    # tokens, "batch 64" measured steps of about 20 sequences), and aborted once timed.
+    params = SamplingParams(max_tokens=4 * CONTEXT, temperature=0, ignore_eos=True)
     out = {}
     for batch in batches:
-        for _ in range(batch):
-            engine.add_request([rng.randrange(100, 49000) for _ in range(CONTEXT)], params)
+        ids = [
+            engine.add_request([rng.randrange(100, 49000) for _ in range(CONTEXT)], params).request_id
+            for _ in range(batch)
+        ]
         while engine.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
         ):
             engine.step()
         times = []
-        for _ in range(15):
+        for _ in range(STEPS):
+            running = len(engine.scheduler.running)
+            assert running == batch, f"a batch-{batch} step ran {running} sequences"
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
         out[str(batch)] = round(statistics.median(times) * 1e3, 2)
+        for request_id in ids:
+            engine.abort_request(request_id)
         while engine.has_unfinished_requests():
             engine.step()
     return out

@@ -102,7 +102,9 @@ class Sampler:
             )
 
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
-        if greedy:
+        if len(greedy) == n:  # the common case: no copy of the [n, vocab] logits
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             rows = torch.tensor(greedy, device=device)
             tokens[rows] = logits[rows].argmax(dim=-1)
 

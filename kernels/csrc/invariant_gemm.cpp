@@ -128,12 +128,19 @@ AVX2_TARGET inline void store8_avx2(T* dst, __m256 v, const float* bias, int n) 
 }
 
 // ------------------------------------------------------------------ FMA paths
+// The register blocks below accumulate into a local array and copy it out once at the end.
+// Accumulating straight into the caller's array made the compiler store every accumulator
+// on every K step: vector types may alias anything, so each store might have changed the
+// next weight or activation load. Those stores halved the kernels' rate; the arithmetic,
+// and so every bit of the result, is the same either way.
+
 // R rows x NB column blocks; x rows are float32 (ldx apart). acc = fma(x[k], w[k], acc)
 // for k = 0, 1, ..., K-1: the same sequence on AVX2 and AVX-512, so the same bits.
 // W: float / c10::Half in [K][16] blocks, or bf16 pairs ([K/2][16][2]) flagged by kPairs.
 template <typename W, int R, int NB>
 AVX512_TARGET void fma_block_avx512(const float* x, int64_t ldx, const W* b, int64_t bstride,
-                                    int64_t k, __m512 (&acc)[R][NB]) {
+                                    int64_t k, __m512 (&out)[R][NB]) {
+  __m512 acc[R][NB];  // local, so it stays in registers (above)
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
   if constexpr (std::is_same_v<W, c10::BFloat16>) {
@@ -170,11 +177,13 @@ AVX512_TARGET void fma_block_avx512(const float* x, int64_t ldx, const W* b, int
       }
     }
   }
+  std::memcpy(out, acc, sizeof(acc));
 }
 
 template <typename W, int R>
 AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t k,
-                                __m256 (&acc)[R][2]) {
+                                __m256 (&out)[R][2]) {
+  __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (std::is_same_v<W, c10::BFloat16>) {
     const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
@@ -212,13 +221,15 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
       }
     }
   }
+  std::memcpy(out, acc, sizeof(acc));
 }
 
 // ------------------------------------------------------------------ AVX512-BF16 path
 // acc += pair(x[2p], x[2p+1]) . pair(w[2p], w[2p+1]) for p = 0, 1, ...: VDPBF16PS.
 template <int R, int NB>
 BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b,
-                          int64_t bstride, int64_t kpairs, __m512 (&acc)[R][NB]) {
+                          int64_t bstride, int64_t kpairs, __m512 (&out)[R][NB]) {
+  __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kpairs; ++p) {
@@ -231,6 +242,7 @@ BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
     }
   }
+  std::memcpy(out, acc, sizeof(acc));
 }
 
 // ------------------------------------------------------------------ AMX path
