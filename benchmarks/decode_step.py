@@ -134,10 +134,8 @@ def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, floa
     params = SamplingParams(max_tokens=4 * CONTEXT, temperature=0, ignore_eos=True)
     out = {}
     for batch in batches:
-        ids = [
-            engine.add_request([rng.randrange(100, 49000) for _ in range(CONTEXT)], params).request_id
-            for _ in range(batch)
-        ]
+        prompts = [[rng.randrange(100, 49000) for _ in range(CONTEXT)] for _ in range(batch)]
+        ids = [engine.add_request(prompt, params).request_id for prompt in prompts]
         while engine.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
         ):
