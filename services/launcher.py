@@ -32,7 +32,9 @@ class ServiceChild:
 
     def __init__(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.role = role
-        cmd = [sys.executable, "-m", "pdserve.services.cli", role, *argv]
+        # -P: the working directory stays off sys.path, so a folder there (this repository's
+        # kernels/, say, beside a package of that name) never shadows an installed module.
+        cmd = [sys.executable, "-P", "-m", "pdserve.services.cli", role, *argv]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
         )

@@ -106,7 +106,7 @@ def _start_ranks(
 ) -> list[subprocess.Popen]:
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "pdserve.services.cli", *argv],
+            [sys.executable, "-P", "-m", "pdserve.services.cli", *argv],  # -P: see launcher
             env=dict(os.environ, **{RANK_ENV: str(rank), ADDRESS_ENV: address}),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
