@@ -227,12 +227,19 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
 
 // ------------------------------------------------------------------ AVX512-BF16 path
 // acc += pair(x[2p], x[2p+1]) . pair(w[2p], w[2p+1]) for p = 0, 1, ...: VDPBF16PS.
+// `ahead`: weight lines to prefetch into L2 meanwhile, spread evenly over the K loop.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
 template <int R, int NB>
 BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b,
-                          int64_t bstride, int64_t kpairs, __m512 (&out)[R][NB]) {
+                          int64_t bstride, int64_t kpairs, __m512 (&out)[R][NB], Ahead ahead) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  int64_t carry = 0, line = 0;
   for (int64_t p = 0; p < kpairs; ++p) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(b + j * bstride + p * 32);
@@ -242,6 +249,8 @@ BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
     }
+    for (carry += ahead.lines; carry >= kpairs; carry -= kpairs, ++line)
+      _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
   }
   std::memcpy(out, acc, sizeof(acc));
 }
@@ -380,9 +389,9 @@ AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T*
 template <typename T, int R, int NB>
 BF16_TARGET void dp_tile(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
                          const c10::BFloat16* w, int64_t bstride, T* y, int64_t r0,
-                         int64_t b0) {
+                         int64_t b0, Ahead ahead) {
   __m512 acc[R][NB];
-  dp_block<R, NB>(x + r0 * ldx, ldx, w + b0 * bstride, bstride, (pr.k + 1) / 2, acc);
+  dp_block<R, NB>(x + r0 * ldx, ldx, w + b0 * bstride, bstride, (pr.k + 1) / 2, acc, ahead);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) {
       const int64_t col = (b0 + j) * kBlock;
@@ -391,25 +400,45 @@ BF16_TARGET void dp_tile(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
     }
 }
 
+// Rows [m0, m1) of one column unit (NB blocks from b0): tiles of 8 rows, then 4, then 1.
+// With two tiles or more, the `next` cache lines of weights after the unit's (the next
+// unit's) are prefetched into L2 over them: DRAM streams the next unit while these tiles
+// work on this one from cache, instead of every unit's first tile waiting on DRAM. Only
+// where the data goes changes, never the arithmetic.
 template <typename T, int NB>
 BF16_TARGET void dp_rows(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
                          const c10::BFloat16* w, int64_t bstride, T* y, int64_t m0,
-                         int64_t m1, int64_t b0) {
+                         int64_t m1, int64_t b0, int64_t next) {
+  const int64_t rows = m1 - m0;
+  const int64_t tiles = rows / 8 + (rows % 8) / 4 + rows % 4;
+  const int64_t per_tile = tiles > 1 ? (next + tiles - 1) / tiles : 0;
+  const char* ahead = reinterpret_cast<const char*>(w + (b0 + NB) * bstride);
+  int64_t done = 0;
+  auto take = [&]() {
+    const Ahead a{ahead + done * 64, std::min(per_tile, next - done)};
+    done += a.lines;
+    return a;
+  };
   int64_t r = m0;
-  for (; r + 4 <= m1; r += 4) dp_tile<T, 4, NB>(pr, x, ldx, w, bstride, y, r, b0);
-  for (; r < m1; ++r) dp_tile<T, 1, NB>(pr, x, ldx, w, bstride, y, r, b0);
+  for (; r + 8 <= m1; r += 8) dp_tile<T, 8, NB>(pr, x, ldx, w, bstride, y, r, b0, take());
+  for (; r + 4 <= m1; r += 4) dp_tile<T, 4, NB>(pr, x, ldx, w, bstride, y, r, b0, take());
+  for (; r < m1; ++r) dp_tile<T, 1, NB>(pr, x, ldx, w, bstride, y, r, b0, take());
 }
 
+// Units of 3 column blocks: an 8 x 3 tile's 24 accumulators, 3 weight vectors and the
+// broadcast fit the 32 vector registers.
 template <typename T>
 BF16_TARGET void gemm_dp(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
                          const c10::BFloat16* w, T* y) {
   const int64_t bstride = ((pr.k + 31) / 32) * 32 * kBlock;
-  for_units(pr, 4, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
+  constexpr int kUnit = 3;
+  for_units(pr, kUnit, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
+    const int64_t next_blocks = std::min<int64_t>(kUnit, pr.nblocks - b0 - nb);
+    const int64_t next = next_blocks * bstride * 2 / 64;  // bf16 weights, 64-byte lines
     switch (nb) {
-      case 4: dp_rows<T, 4>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
-      case 3: dp_rows<T, 3>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
-      case 2: dp_rows<T, 2>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
-      default: dp_rows<T, 1>(pr, x, ldx, w, bstride, y, m0, m1, b0); break;
+      case 3: dp_rows<T, 3>(pr, x, ldx, w, bstride, y, m0, m1, b0, next); break;
+      case 2: dp_rows<T, 2>(pr, x, ldx, w, bstride, y, m0, m1, b0, next); break;
+      default: dp_rows<T, 1>(pr, x, ldx, w, bstride, y, m0, m1, b0, next); break;
     }
   });
 }
