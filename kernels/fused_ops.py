@@ -3,11 +3,11 @@ embedding (rotate-half form) and SiLU-and-multiply, in the reference model's ord
 rounding.
 
 The model runner calls these for every layer of every step. On CPU the C++ extension
-(`csrc/fused_ops.cpp`) serves rotary in bfloat16/float16 and residual add + RMSNorm in
-bfloat16 (one pass each); everything else, and float32 (where the engine must match the
-reference model exactly), uses torch's own kernels. `PDSERVE_FUSED_OPS=0` forces the torch
-path. On cuda RMSNorm (with the residual add) is the Triton kernel of
-`kernels/triton_invariant.py` (one program per row: batch-invariant)."""
+(`csrc/fused_ops.cpp`) serves rotary in bfloat16/float16, and residual add + RMSNorm and
+SiLU-and-multiply in bfloat16 (one pass each); everything else, and float32 (where the
+engine must match the reference model exactly), uses torch's own kernels.
+`PDSERVE_FUSED_OPS=0` forces the torch path. On cuda RMSNorm (with the residual add) is
+the Triton kernel of `kernels/triton_invariant.py` (one program per row: batch-invariant)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,15 @@ def add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] → silu(gate) * up."""
+    ext = extension_for(x)
+    if (
+        ext is not None
+        and ext.fast_silu_and_mul
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[-1] % 32 == 0
+    ):
+        return ext.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 

@@ -45,6 +45,26 @@ def test_silu_and_mul(dtype):
     )
 
 
+def test_fast_silu_and_mul_is_torchs_within_one_ulp_and_per_row():
+    """The C++ bf16 path: torch's two roundings with another exp, so at most one bf16 ulp
+    from torch's result anywhere (inputs over silu's whole range, incl. saturation), and a
+    row's bits do not depend on the rows beside it."""
+    ext = fused_ops.load()
+    if ext is None or not ext.fast_silu_and_mul:
+        pytest.skip("no AVX-512 BF16 on this CPU: torch's kernel serves")
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(257, 2 * 1536, generator=gen) * 6).to(torch.bfloat16)
+    x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 88.0, -90.0])
+    out = fused_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    ulp = torch.finfo(torch.bfloat16).eps * expected.float().abs().clamp_min(1e-30)
+    assert ((out.float() - expected.float()).abs() <= ulp).all()
+    assert (out == expected).float().mean() > 0.99
+    rows = torch.cat([fused_ops.silu_and_mul(x[i : i + 1]) for i in (0, 5, 256)])
+    assert torch.equal(rows, out[[0, 5, 256]])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_rotate_half(dtype):
     heads, kv_heads, d = 9, 3, 64
