@@ -41,16 +41,12 @@ def extension_for(x: torch.Tensor) -> ModuleType | None:
     return load()
 
 
-def _fast_rms(x: torch.Tensor):
+def _fast_bf16(x: torch.Tensor, multiple: int) -> ModuleType | None:
+    """The C++ ops when their bf16 path (AVX-512 BF16 builds) serves `x`: bfloat16 rows
+    whose width is a multiple of `multiple`; else None."""
     ext = extension_for(x)
-    if (
-        ext is not None
-        and ext.fast_rms_norm
-        and x.dtype == torch.bfloat16
-        and x.shape[-1] % 16 == 0
-    ):
-        return ext
-    return None
+    ok = ext is not None and ext.fast_bf16 and x.dtype == torch.bfloat16
+    return ext if ok and x.shape[-1] % multiple == 0 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     gpu = invariant_gemm.gpu_kernels(x)
     if gpu is not None and x.dim() == 2:
         return gpu.rms_norm(x, weight, eps)[0]
-    ext = _fast_rms(x)
+    ext = _fast_bf16(x, 16)
     if ext is not None:
         return ext.add_rms_norm(None, x.contiguous(), weight, eps)
     if x.dtype == torch.float32:
@@ -75,7 +71,7 @@ def add_rms_norm(
         out, res = gpu.rms_norm(x, weight, eps, residual)
         assert res is not None
         return out, res
-    ext = _fast_rms(x)
+    ext = _fast_bf16(x, 16)
     if ext is not None:
         residual = residual.contiguous()
         return ext.add_rms_norm(x.contiguous(), residual, weight, eps), residual
@@ -85,14 +81,8 @@ def add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] → silu(gate) * up."""
-    ext = extension_for(x)
-    if (
-        ext is not None
-        and ext.fast_silu_and_mul
-        and x.dtype == torch.bfloat16
-        and x.dim() == 2
-        and x.shape[-1] % 32 == 0
-    ):
+    ext = _fast_bf16(x, 32)
+    if ext is not None and x.dim() == 2:
         return ext.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)

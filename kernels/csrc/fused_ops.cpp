@@ -188,8 +188,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("fast_rms_norm") = py::bool_(PDSERVE_FAST_BF16);
-  m.attr("fast_silu_and_mul") = py::bool_(PDSERVE_FAST_BF16);
+  m.attr("fast_bf16") = py::bool_(PDSERVE_FAST_BF16);  // add_rms_norm, silu_and_mul
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>());
