@@ -133,45 +133,62 @@ class KVCacheManager:
             held, ready = tier.lookup(hashes)
             if held == 0:
                 return True, promoted
-            if not ready:
-                if not wait or time.monotonic() >= deadline:
-                    return False, promoted
-                tier.wait_ready(hashes[:held], deadline - time.monotonic())
-                continue
-            n = self._promote_run(tier, request, start, held)
+            if not ready and (not wait or time.monotonic() >= deadline):
+                return False, promoted
+            n = self._promote_run(tier, request, start, held, None if ready else deadline)
             promoted += n
-            if n in (0, held):
+            if ready and n in (0, held):
                 return True, promoted
         return True, promoted  # still changing under us: go on with what the pool has
 
-    def _promote_run(self, tier: Tier, request: Request, start: int, held: int) -> int:
-        """Copy the tier's blocks `start ..` (`held` of them) into free pool blocks and
-        register them; returns how many (fewer when the pool runs out or a block is no
-        longer ready)."""
+    def _promote_run(
+        self, tier: Tier, request: Request, start: int, held: int, deadline: float | None
+    ) -> int:
+        """Bring the tier's blocks `start ..` (`held` of them) into free pool blocks and
+        register them; returns how many (fewer when the pool runs out or a block is not
+        ready). With a `deadline`, wait until then for the blocks still being read, reading
+        the queued ones straight into their pool blocks (a CPU pool)."""
         hits = self.find_cached_prefix(request)
         self.pool.touch(hits)  # taking blocks below must not evict the pool's own hits
-        try:
-            return self._promote(tier, request, start, min(held, self.pool.num_free_blocks))
-        finally:
-            self.pool.free_blocks(reversed(hits))
-
-    def _promote(self, tier: Tier, request: Request, start: int, n: int) -> int:
         assert self._kv is not None
-        bs = self.block_size
+        bs, n = self.block_size, min(held, self.pool.num_free_blocks)
         spans = [(request.block_hashes[i], request.all_token_ids[i * bs : (i + 1) * bs])
                  for i in range(start, start + n)]  # fmt: skip
         # Blocks first: taking them may spill others into a tier, which must happen before
         # this tier hands out its blocks (a host tier's are views of slots it may reuse).
         blocks = self.pool.get_new_blocks(n)
+        hashes = [h for h, _ in spans]
+        try:
+            if deadline is not None:
+                if self._kv.device.type == "cpu":
+                    dests = zip(hashes, blocks, strict=True)
+                    tier.read_into({h: self._kv[b.block_id] for h, b in dests})
+                tier.wait_ready(hashes, deadline - time.monotonic())
+            return self._promote(tier, request, start, spans, blocks)
+        finally:
+            tier.release(hashes)
+            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed(hits))
+
+    def _promote(
+        self,
+        tier: Tier,
+        request: Request,
+        start: int,
+        spans: list[tuple[int, list[int]]],
+        blocks: list[KVCacheBlock],
+    ) -> int:
+        assert self._kv is not None
         kvs = tier.take_ready(spans)
         copy_start = time.perf_counter()
         for (block_hash, tokens), kv, block in zip(spans, kvs, blocks, strict=False):
-            self._kv[block.block_id].copy_(kv)
+            dest = self._kv[block.block_id]
+            if kv.data_ptr() != dest.data_ptr():  # not read straight into it
+                dest.copy_(kv)
             self.pool.cache_block(block, block_hash, tokens)
         tier.stats.load_seconds += time.perf_counter() - copy_start  # part of bringing it back
         self._write_through(request, start, blocks[: len(kvs)])
-        self.tier_hit_tokens += len(kvs) * bs
-        self.pool.free_blocks(reversed(blocks))
+        self.tier_hit_tokens += len(kvs) * self.block_size
         return len(kvs)
 
     @property

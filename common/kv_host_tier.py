@@ -81,6 +81,12 @@ class HostTier:
     def wait_ready(self, hashes: Sequence[int], timeout: float) -> None:
         return None
 
+    def read_into(self, dests: dict[int, torch.Tensor]) -> None:
+        return None  # nothing is ever being read
+
+    def release(self, hashes: Sequence[int]) -> None:
+        return None
+
     def touch(self, hashes: Sequence[int]) -> None:
         """Make the held ones of a run of one chain's blocks (head first) the most recently
         used, tail first: the run's head ends up the most recent, so its tail goes first."""

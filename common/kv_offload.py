@@ -21,7 +21,12 @@ evicted before it is written is simply never written.
 All disk work runs on one I/O thread, reads before writes. The engine thread only copies a
 block out (`store`: the copy waits in memory until written, and serves hits meanwhile) or
 takes one that was read (`take`); neither ever waits for the disk. When more than
-`max_pending_bytes` wait to be written, further stores are dropped (counted)."""
+`max_pending_bytes` wait to be written, further stores are dropped (counted).
+
+A block is read ahead into a tensor of its own, to be copied into a pool block when its
+request is admitted. An engine that has nothing else to run waits for the reads instead:
+it hands the tier the pool blocks the queued ones will fill (`read_into`), and the file is
+read straight into them, saving that copy (a CPU pool: it is ordinary memory)."""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -52,6 +58,7 @@ HEADER = struct.Struct("<8sQQQI")
 SUFFIX = ".kvb"
 LOADING = object()  # `take`: the block is being read; ask again later
 STALE_TMP_S = 600.0  # a shared folder's temporary file older than this is a dead write
+READ_AHEAD = 8  # queued reads whose files the kernel is asked to start reading
 
 
 @dataclass
@@ -62,6 +69,7 @@ class TierStats:
     store_bytes: int = 0
     store_seconds: float = 0.0
     loads: int = 0  # blocks read back from disk
+    loads_into_pool: int = 0  # of which read straight into a pool block (`read_into`)
     load_bytes: int = 0
     load_seconds: float = 0.0
     hits: int = 0  # blocks handed back to the pool (read, or still waiting to be written)
@@ -123,6 +131,11 @@ class DiskTier:
         # read. At most `max_pending_bytes` of them: the oldest untaken go first.
         self._loaded: OrderedDict[int, Block | None] = OrderedDict()
         self._wanted: set[int] = set()  # pending blocks a request looked up: keep once written
+        # Queued reads to do straight into these (pool blocks; `read_into`), and the one the
+        # I/O thread is reading now.
+        self._dests: dict[int, torch.Tensor] = {}
+        self._reading: int | None = None
+        self._hinted: set[int] = set()  # queued reads the kernel was told of (I/O thread)
         self._reads: deque[int] = deque()
         self._writes: deque[int] = deque()
         self._stopped = False
@@ -223,6 +236,28 @@ class DiskTier:
                 if left <= 0 or self._stopped:
                     return
                 self._lock.wait(left)
+
+    def read_into(self, dests: dict[int, torch.Tensor]) -> None:
+        """Read the blocks among `dests` (hash -> a contiguous tensor of one block, in host
+        memory) that are queued and not started straight into their tensor; `take` then
+        hands that tensor back. Every call is paired with `release`."""
+        with self._lock:
+            for h, dest in dests.items():
+                if h in self._loaded and self._loaded[h] is None and h != self._reading:
+                    self._dests[h] = dest
+
+    def release(self, hashes: Sequence[int]) -> None:
+        """Undo `read_into` for `hashes`: once this returns, no read writes into their
+        tensors (a read in flight is waited for) and none of them is handed out."""
+        wanted = set(hashes)
+        with self._lock:
+            while self._reading in wanted and self._reading in self._dests:
+                self._lock.wait()
+            for h in wanted:
+                dest = self._dests.pop(h, None)
+                loaded = self._loaded.get(h)
+                if dest is not None and loaded is not None and loaded[1] is dest:
+                    del self._loaded[h]  # read, not taken: it is still on disk
 
     def take(self, block_hash: int, token_ids: Sequence[int]) -> torch.Tensor | object | None:
         """The block's KV if this tier holds it with these tokens (a tensor to read, not
@@ -358,11 +393,14 @@ class DiskTier:
                     return
                 if self._reads:
                     job, h = "read", self._reads.popleft()
+                    ahead = [x for x in islice(self._reads, READ_AHEAD) if x not in self._hinted]
                 else:
                     job, h = "write", self._writes.popleft()
             try:
                 if job == "read":
+                    self._hint(ahead)
                     self._read(h)
+                    self._hinted.discard(h)
                 else:
                     self._write(h)
             except Exception:  # a full or failing disk must not take the worker down
@@ -373,6 +411,18 @@ class DiskTier:
                     elif self._pending.pop(h, None) is not None:
                         self._forget(h)
                     self._lock.notify_all()
+
+    def _hint(self, hashes: list[int]) -> None:
+        """Tell the kernel the next queued blocks' files will be read: those on the device,
+        not in the page cache, are then read in parallel while this thread reads the first."""
+        for h in hashes:
+            self._hinted.add(h)
+            with contextlib.suppress(OSError):
+                fd = os.open(self._path(h), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
 
     def _path(self, block_hash: int) -> Path:
         return self.folder / f"{block_hash:016x}{SUFFIX}"
@@ -441,8 +491,19 @@ class DiskTier:
 
     def _read(self, block_hash: int) -> None:
         start = time.perf_counter()
+        with self._lock:
+            self._reading = block_hash  # until its outcome is recorded (see `release`)
+            dest = self._dests.get(block_hash)
+        try:
+            self._read_and_record(block_hash, dest, start)
+        finally:
+            with self._lock:
+                self._reading = None
+                self._lock.notify_all()
+
+    def _read_and_record(self, block_hash: int, dest: torch.Tensor | None, start: float) -> None:
         path = self._path(block_hash)
-        block = self._read_file(path, block_hash)
+        block = self._read_file(path, block_hash, dest)
         vanished = block is None and not path.exists()  # another worker deleted it
         if block is None and not vanished:
             path.unlink(missing_ok=True)
@@ -456,13 +517,15 @@ class DiskTier:
             else:
                 self._keep(block_hash, block)  # its place in the index: when it is taken
                 self.stats.loads += 1
+                self.stats.loads_into_pool += dest is not None
                 self.stats.load_bytes += block[1].nbytes
                 self.stats.load_seconds += time.perf_counter() - start
-            self._lock.notify_all()
 
-    def _read_file(self, path: Path, block_hash: int) -> Block | None:
-        """A whole, well-formed block file of `block_hash` (its payload read straight into a
-        fresh tensor), else None."""
+    def _read_file(
+        self, path: Path, block_hash: int, into: torch.Tensor | None = None
+    ) -> Block | None:
+        """A whole, well-formed block file of `block_hash` (its payload read straight into
+        `into`, or a fresh tensor), else None (`into` then holds anything)."""
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -475,15 +538,16 @@ class DiskTier:
                     size != HEADER.size + 4 * ntokens + nbytes or len(ids) != 4 * ntokens
                 ):
                     return None
-                kv = torch.empty(nbytes, dtype=torch.uint8)
-                if f.readinto(memoryview(kv.numpy())) != nbytes:
+                kv = torch.empty(nbytes, dtype=torch.uint8) if into is None else into
+                payload = kv.view(torch.uint8).view(-1).numpy()
+                if f.readinto(memoryview(payload)) != nbytes:
                     return None
         except OSError:
             return None
-        if checksum(kv.numpy()) != digest:
+        if checksum(payload) != digest:  # just read: still in the CPU's cache
             return None
         tokens = struct.unpack(f"<{ntokens}I", ids)
-        return tokens, kv.view(self.dtype).view(self.block_shape)
+        return tokens, kv if into is not None else kv.view(self.dtype).view(self.block_shape)
 
     def _recover(self) -> None:
         """Rebuild the index from the folder: files whose header and size check out, oldest

@@ -181,6 +181,77 @@ def test_manager_spills_evicted_blocks_and_reads_them_back(tmp_path):
     kv.tier.close()
 
 
+def test_waiting_engine_reads_blocks_straight_into_the_pool(tmp_path):
+    cache = torch.zeros((6, *SHAPE))
+    kv = KVCacheManager(6, BS)
+    tier = _tier(tmp_path)
+    kv.attach_tier(tier, cache)
+    a, b = list(range(100, 121)), list(range(500, 521))
+    _prefill(kv, cache, _request("a1", a))
+    _prefill(kv, cache, _request("b1", b))
+    assert tier.flush()  # a's blocks are on disk only: reads, not pending copies
+    # Block 2 of a's chain is corrupt: blocks 0-1 are read into the pool, the rest computed.
+    chain = _hashes(a)
+    bad = tier.folder / f"{chain[2]:016x}.kvb"
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    # Reads wait until the manager has named the pool blocks (else the I/O thread may start
+    # one into a tensor of its own first: correct, only not what this test is about).
+    named, read, read_into = threading.Event(), tier._read, tier.read_into
+    tier._read = lambda h: (named.wait(10), read(h))[1]  # type: ignore[method-assign]
+    tier.read_into = lambda dests: (read_into(dests), named.set())[0]  # type: ignore[method-assign]
+    assert _prefill(kv, cache, _request("a2", a)) == 2 * BS  # contents checked there
+    # Every well-formed block was read into the pool; those past the corrupt one go unused.
+    assert tier.stats.hits == 2 and tier.stats.corrupt == 1
+    assert tier.stats.loads == tier.stats.loads_into_pool == 4
+    assert kv.num_free_blocks == 6 and tier.check_consistent() == []
+    tier.close()
+
+
+def _hashes(tokens: list[int]) -> list[int]:
+    request = _request("h", tokens)
+    KVCacheManager(1, BS)._update_hashes(request)
+    return request.block_hashes
+
+
+def test_released_pool_block_is_never_written_or_handed_out(tmp_path):
+    tier = _tier(tmp_path)
+    tier.store(1, [1] * 4, _kv(1))
+    tier.store(2, [2] * 4, _kv(2))
+    assert tier.flush()
+    reading, go = threading.Event(), threading.Event()
+    read_file = tier._read_file
+
+    def slow_read(path, block_hash, into=None):
+        reading.set()
+        assert go.wait(10)
+        return read_file(path, block_hash, into)
+
+    tier._read_file = slow_read  # type: ignore[method-assign]
+    dests = {1: torch.zeros(SHAPE), 2: torch.zeros(SHAPE)}
+    with tier._lock:  # queue both reads and name their tensors before the thread starts
+        assert tier.lookup([1, 2]) == (2, False)
+        tier.read_into(dests)
+    assert reading.wait(10)  # block 1 is being read into its tensor, block 2 waits
+    tier.release([2])  # not started: forgotten at once, read into a tensor of its own
+    released = threading.Thread(target=tier.release, args=([1],))
+    released.start()
+    released.join(0.2)
+    assert released.is_alive()  # waits for the read in flight into a tensor it names
+    go.set()
+    released.join(10)
+    assert not released.is_alive()
+    assert torch.equal(dests[1], _kv(1)) and torch.equal(dests[2], torch.zeros(SHAPE))
+    tier.wait_ready([1, 2], 10)
+    assert tier.take(1, [1] * 4) is LOADING  # read into a released tensor: not handed out
+    got = _read(tier, 2, [2] * 4)
+    assert got is not None and torch.equal(got, _kv(2)) and got is not dests[2]
+    assert tier.stats.loads_into_pool == 1
+    assert _read(tier, 1, [1] * 4) is not None
+    tier.close()
+
+
 def test_tier_reports_what_it_starts_and_stops_holding(tmp_path):
     tier = _tier(tmp_path, blocks=2)
     tier.record_events()
