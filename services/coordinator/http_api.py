@@ -1,9 +1,10 @@
 """The coordinator's OpenAI-compatible HTTP front (FastAPI on uvicorn, in the same process
 and event loop as its gRPC server): `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, `/health`, `/metrics`. Each choice of a request goes through the same request
-path as a gRPC call (`request_path.Coordinator`); tokens stream as server-sent events, the
-first as soon as prefill returns it. A client that disconnects cancels its requests on the
-workers. Every error has OpenAI's shape and a status saying whose fault it is."""
+`/v1/models` (and `/v1/models/{model}`), `/health`, `/metrics`. Each choice of a request
+goes through the same request path as a gRPC call (`request_path.Coordinator`); tokens
+stream as server-sent events, the first as soon as prefill returns it. A client that
+disconnects cancels its requests on the workers. Every error has OpenAI's shape and a
+status saying whose fault it is."""
 
 from __future__ import annotations
 
@@ -61,6 +62,36 @@ HTTP_BACKLOG = 2048  # connections not yet accepted (uvicorn's default; listen()
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 # Pydantic names a union's branch in an error's location ("prompt.list[int].0"); drop them.
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "function-after", "nullable")
+
+
+# OpenAPI links, for clients and tools that follow them (schemathesis's stateful phase): a
+# model id from the list names a model to retrieve or to complete with.
+LIST_MODELS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The models served here",
+        "links": {
+            "RetrieveModel": {
+                "operationId": "retrieve_model",
+                "parameters": {"path.model": "$response.body#/data/0/id"},
+            },
+            "CreateCompletion": {
+                "operationId": "create_completion",
+                "requestBody": {"model": "$response.body#/data/0/id"},
+            },
+        },
+    }
+}
+RETRIEVE_MODEL_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The model",
+        "links": {
+            "CreateChatCompletion": {
+                "operationId": "create_chat_completion",
+                "requestBody": {"model": "$response.body#/id"},
+            },
+        },
+    }
+}
 
 
 class ApiError(Exception):
@@ -177,16 +208,28 @@ class OpenAIServer:
         async def metrics() -> Response:
             return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", operation_id="list_models", responses=LIST_MODELS_RESPONSES)
         async def models(request: Request) -> dict[str, Any]:
             self._authorize(request)
             return {"object": "list", "data": [self._model_card(m) for m in self.served_models]}
 
-        @app.post("/v1/chat/completions")
+        @app.get(
+            "/v1/models/{model:path}",
+            operation_id="retrieve_model",
+            responses=RETRIEVE_MODEL_RESPONSES,
+        )
+        async def model(model: str, request: Request) -> dict[str, Any]:
+            self._authorize(request)
+            if model not in self.served_models:
+                raise ApiError(404, f"model: {model!r} is not served here", "model",
+                               "model_not_found")  # fmt: skip
+            return self._model_card(model)
+
+        @app.post("/v1/chat/completions", operation_id="create_chat_completion")
         async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return await self._complete(body, request, chat=True)
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", operation_id="create_completion")
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._complete(body, request, chat=False)
 

@@ -5,8 +5,8 @@ may get a 5xx, drop the connection, hang, leak a KV block or stop the service.
 
 Phases: coverage (schemathesis's deterministic boundary and type-violating cases, plus
 unsupported methods), fuzzing in positive mode (schema-valid bodies) and in negative mode
-(mutated, schema-violating and non-JSON bodies), and stateful (skipped: FastAPI's schema
-declares no links and the API has no resources to chain). Every response goes through
+(mutated, schema-violating and non-JSON bodies), and stateful (chains along the schema's
+OpenAPI links: a listed model id retrieved and completed with). Every response goes through
 schemathesis's checks except the ones in EXCLUDED, which this schema cannot satisfy.
 
 Each generated request asks for at most CAP tokens per choice (a `max_tokens` above it,
@@ -27,7 +27,6 @@ from fuzz_support import Cluster, Figures, budget, figures, seed, wait_blocks_ba
 from hypothesis import HealthCheck
 from hypothesis.stateful import run_state_machine_as_test
 from schemathesis import GenerationMode, checks
-from schemathesis.core.errors import NoLinksFound
 from schemathesis.generation.meta import TestPhase
 
 pytestmark = pytest.mark.slow
@@ -91,14 +90,24 @@ class Run:
 
     def send(self, case: schemathesis.Case) -> None:
         try:
+            response = self.call(case)
+        except requests.RequestException:
+            return
+        self.check(case, response)
+
+    def call(self, case: schemathesis.Case) -> Any:
+        try:
             response = case.call(session=self.session, timeout=TIMEOUT_S)
         except requests.RequestException as e:  # dropped, reset, or no answer in time
             self.fig.count(type(e).__name__)
             self.fail(case, [f"connection: {type(e).__name__}"])
-            return
+            raise
         self.fig.count(str(response.status_code))
+        return response
+
+    def check(self, case: schemathesis.Case, response: Any, **kwargs: Any) -> None:
         try:
-            case.validate_response(response, excluded_checks=list(EXCLUDED.values()))
+            case.validate_response(response, excluded_checks=list(EXCLUDED.values()), **kwargs)
             return
         except (Exception, BaseExceptionGroup) as e:  # schemathesis's FailureGroup is the latter
             found = getattr(e, "exceptions", [e])
@@ -179,20 +188,41 @@ def test_fuzzing_phase(run: Run, mode: GenerationMode) -> None:
 
 
 def test_stateful_phase(run: Run) -> None:
-    """Chains of calls along the schema's links, when it has any."""
-    try:
-        machine = run.schema.as_state_machine()
-        run_state_machine_as_test(
-            machine,
-            settings=hypothesis.settings(
-                max_examples=max(1, budget("http") // 20),
-                deadline=None,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
-    except NoLinksFound:
-        pytest.skip("the schema declares no links (FastAPI emits none; nothing to chain)")
+    """Chains of calls along the schema's links: a model id from `GET /v1/models` is
+    retrieved (`GET /v1/models/{model}`) and completed with, and a retrieved one chatted
+    with; every call bounded and checked as in the other phases, with schemathesis's
+    stateful checks as well."""
+    machine = run.schema.as_state_machine()
+    served = requests.get(f"{run.base_url}/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    followed: dict[str, int] = {}  # served model id reached through a link, per operation
+
+    class Chains(machine):  # type: ignore[misc, valid-type]
+        def before_call(self, case: schemathesis.Case) -> None:
+            bounded(case)
+
+        def call(self, case: schemathesis.Case, **kwargs: Any) -> Any:
+            response = run.call(case)
+            named = (case.path_parameters or {}).get("model")
+            if isinstance(case.body, dict):
+                named = named or case.body.get("model")
+            if named == served and response.status_code == 200:  # random text never is
+                followed[case.operation.label] = followed.get(case.operation.label, 0) + 1
+            return response
+
+        def validate_response(self, response: Any, case: schemathesis.Case, **_: Any) -> None:
+            run.check(case, response, recorder=self.recorder)
+
+    run_state_machine_as_test(
+        Chains,
+        settings=hypothesis.settings(
+            max_examples=max(1, budget("http") // 20),
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    print(f"stateful: calls with the served model id, by operation: {followed}")
+    assert followed.get("GET /v1/models/{model}"), "no chain retrieved the listed model"
     run.finish()
 
 

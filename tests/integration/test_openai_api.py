@@ -65,6 +65,14 @@ def test_models_lists_the_served_model(client, model):
     assert card.id == model == "SmolLM2-135M-Instruct"
 
 
+def test_models_retrieve_names_one_model_or_404(client, model):
+    card = client.models.retrieve(model)
+    assert (card.id, card.object, card.owned_by) == (model, "model", "pdserve")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+
+
 def test_greedy_chat_equals_grpc(cluster, client, model):
     channel = grpc.insecure_channel(cluster["coordinator"].grpc)
     stub = generate_pb2_grpc.GenerateServiceStub(channel)
