@@ -136,6 +136,7 @@ class DiskTier:
         self._dests: dict[int, torch.Tensor] = {}
         self._reading: int | None = None
         self._hinted: set[int] = set()  # queued reads the kernel was told of (I/O thread)
+        self._read_done: dict[int, threading.Event] = {}  # set when that block's read ends
         self._reads: deque[int] = deque()
         self._writes: deque[int] = deque()
         self._stopped = False
@@ -230,12 +231,18 @@ class DiskTier:
     def wait_ready(self, hashes: Sequence[int], timeout: float) -> None:
         """Wait (at most `timeout` seconds) until none of `hashes` is being read."""
         deadline = time.monotonic() + timeout
-        with self._lock:
-            while any(h in self._loaded and self._loaded[h] is None for h in hashes):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped:
+        while True:
+            with self._lock:
+                reading = [h for h in hashes if h in self._loaded and self._loaded[h] is None]
+                if not reading or self._stopped:
                     return
-                self._lock.wait(left)
+                # Woken when the last of them is read (reads finish in the order they were
+                # queued), not at every block: a wake-up per block costs as much as its read.
+                done = self._read_done.setdefault(reading[-1], threading.Event())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            done.wait(left)
 
     def read_into(self, dests: dict[int, torch.Tensor]) -> None:
         """Read the blocks among `dests` (hash -> a contiguous tensor of one block, in host
@@ -380,6 +387,8 @@ class DiskTier:
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
+            for done in self._read_done.values():
+                done.set()
         self._thread.join(timeout=10.0)
 
     # ---- the I/O thread ------------------------------------------------------------------
@@ -469,8 +478,11 @@ class DiskTier:
         past the memory budget (they stay on disk)."""
         self._loaded[block_hash] = block
         self._loaded.move_to_end(block_hash)
+        budget = self.max_pending_bytes // self.block_bytes
+        if len(self._loaded) <= budget:  # the ready ones fit, whatever the rest
+            return
         ready = [h for h, b in self._loaded.items() if b is not None]
-        for h in ready[: max(0, len(ready) - self.max_pending_bytes // self.block_bytes)]:
+        for h in ready[: max(0, len(ready) - budget)]:
             del self._loaded[h]
 
     def _make_room(self) -> None:
@@ -499,7 +511,10 @@ class DiskTier:
         finally:
             with self._lock:
                 self._reading = None
+                done = self._read_done.pop(block_hash, None)
                 self._lock.notify_all()
+            if done is not None:
+                done.set()
 
     def _read_and_record(self, block_hash: int, dest: torch.Tensor | None, start: float) -> None:
         path = self._path(block_hash)
