@@ -20,6 +20,7 @@ with where a load's time goes (`load_path_us_per_block`). Prints one JSON object
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -220,8 +221,8 @@ def main() -> None:
         tier = engine.kv_cache.tier
         if tier is not None:
             tier.flush()
+            s = dataclasses.replace(tier.stats)  # the workload's, before the isolated reads
             isolated = isolated_load(tier, engine.runner.kv_cache)
-            s = tier.stats
             results[name]["tier"] = {
                 "stores": s.stores,
                 "loads": s.loads,
