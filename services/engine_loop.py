@@ -27,6 +27,7 @@ from pdserve.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+OutputQueue = asyncio.Queue[RequestOutput]
 
 IDLE_WAIT_S = 0.05  # how often an idle engine thread runs its housekeeping hooks
 
@@ -39,7 +40,7 @@ class EngineLoop:
         self._loop = loop
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._wake = threading.Condition()
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         # Run in the engine thread before every step (lease expiry, admissions, ...).
         self.housekeeping: list[Callable[[], None]] = []
         self._stopped = False
@@ -99,7 +100,7 @@ class EngineLoop:
                 f"this worker has {waiting} requests waiting, its limit (--max-pending "
                 f"{self.max_pending}); retry later or elsewhere"
             )
-        self.open_stream(request_id)
+        queue = self.open_stream(request_id)
         self._adding += 1
         added = self.submit(
             lambda: self.engine.add_request(
@@ -110,11 +111,11 @@ class EngineLoop:
         try:
             return await asyncio.shield(asyncio.wrap_future(added))
         except asyncio.CancelledError:
-            self._queues.pop(request_id, None)
+            self.close_stream(request_id, queue)
             self.submit(lambda: added.exception() is None and self.engine.drop(added.result()))
             raise
         except BaseException:
-            self._queues.pop(request_id, None)
+            self.close_stream(request_id, queue)
             raise
 
     def _on_added(self, _: Future[Any]) -> None:
@@ -124,11 +125,16 @@ class EngineLoop:
     def _added(self) -> None:
         self._adding -= 1
 
-    def open_stream(self, request_id: str) -> None:
+    def open_stream(self, request_id: str) -> OutputQueue:
         """Route a request's outputs to a queue for `stream`."""
         if request_id in self._queues:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use here")
-        self._queues[request_id] = asyncio.Queue()
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def queue(self, request_id: str) -> OutputQueue:
+        """The queue `open_stream` (or `add`) made for the request now using this id."""
+        return self._queues[request_id]
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs until the finished one. Leaving early (cancellation, a
@@ -141,12 +147,16 @@ class EngineLoop:
                 finished = out.finished
                 yield out
         finally:
-            self._queues.pop(request_id, None)
+            self.close_stream(request_id, queue)
             if not finished:
                 await self.cleanup(lambda: self.engine.abort_request(request_id))
 
-    def close_stream(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def close_stream(self, request_id: str, queue: OutputQueue) -> None:
+        """Stop routing outputs to `queue`. Only that one: once a request's stream ended,
+        a new request may use its id (and have a queue of its own) before the old one's
+        cleanup is done."""
+        if self._queues.get(request_id) is queue:
+            del self._queues[request_id]
 
     # ---- the engine thread -------------------------------------------------------------
 

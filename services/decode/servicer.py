@@ -127,7 +127,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             req = await loop.call(
                 lambda: engine.new_prefilled_request(prompt, first, params, rid, resume)
             )
-            loop.open_stream(rid)
+            queue = loop.open_stream(rid)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finished = False
@@ -162,7 +162,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 finished = out.finished
                 yield _response(out)
         finally:
-            loop.close_stream(rid)
+            loop.close_stream(rid, queue)
             if not finished:  # refused, failed, or the caller left: give everything back
                 loop.submit(lambda: self.admission.withdraw(req))
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
@@ -184,6 +184,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             req = await loop.add(
                 prompt, params, request.request_id, resume=resume_from_proto(request)
             )
+            queue = loop.queue(request.request_id)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:
@@ -200,7 +201,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield response
         finally:
             if not finished:  # the stream never started, or ended early: end it here
-                loop.close_stream(request.request_id)
+                loop.close_stream(request.request_id, queue)
                 await loop.cleanup(lambda: loop.engine.drop(req))
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
