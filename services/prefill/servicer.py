@@ -149,12 +149,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         w = self.worker
         assert w.transport is not None
         lease_id = request.lease_id
-        if not request.receiver_address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "receiver_address: is empty")
-        try:  # before the lease is touched: a malformed address must not cost it
-            w.transport.check_peer(request.receiver_address)
-        except KvTransferError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"receiver_address: {e}")
+        try:  # before the lease is touched: a malformed receiver must not cost it
+            peers = self._receivers(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             block_ids = self.leases.begin_send(lease_id, request.first_block, request.num_blocks)
             block_ids = list(block_ids)
@@ -169,7 +167,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         future: Future[TransferResult] | None = None
         try:
             if w.tensor_parallel > 1 or request.receiver_tensor_parallel > 1:
-                future = await self._send_slices(request, block_ids)
+                future = await self._send_slices(request, peers, block_ids)
             else:
                 future = transport.send(
                     request.receiver_address, request.tag, block_ids, w.transfer_timeout_s
@@ -197,24 +195,44 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             num_blocks=result.num_blocks, num_bytes=result.num_bytes
         )
 
-    async def _send_slices(
-        self, request: prefill_pb2.TransferKvRequest, block_ids: list[int]
-    ) -> Future[TransferResult]:
-        """Tensor parallelism on either side: every rank of this group sends the head slices
-        it holds to the decode ranks that keep them (`tp_kv.py`). The future is this rank's
-        sends; the other ranks' arrive at the decode ranks, which wait for all."""
+    def _receivers(self, request: prefill_pb2.TransferKvRequest) -> list[str]:
+        """The decode ranks' transport addresses, rank 0 first, each well formed and as many
+        as the receiving group has ranks that split the model's kv heads; else a ValueError
+        naming the field."""
         w = self.worker
         assert w.transport is not None
-        runner = w.loop.engine.runner
         peers = [request.receiver_address, *request.rank_receiver_addresses]
+        for i, peer in enumerate(peers):
+            field = "receiver_address" if i == 0 else f"rank_receiver_addresses[{i - 1}]"
+            if not peer:
+                raise ValueError(f"{field}: is empty")
+            try:
+                w.transport.check_peer(peer)
+            except KvTransferError as e:
+                raise ValueError(f"{field}: {e}") from e
         dst_tp = max(1, request.receiver_tensor_parallel)
         if len(peers) != dst_tp:
-            raise KvTransferError(
+            raise ValueError(
                 f"rank_receiver_addresses: a receiving group of {dst_tp} needs "
                 f"{dst_tp - 1}, got {len(peers) - 1}"
             )
-        for peer in peers:
-            w.transport.check_peer(peer)
+        try:
+            plan(w.loop.engine.runner.hf_config.num_key_value_heads, w.tensor_parallel, dst_tp)
+        except ValueError as e:
+            raise ValueError(f"receiver_tensor_parallel: {dst_tp}: {e}") from e
+        return peers
+
+    async def _send_slices(
+        self, request: prefill_pb2.TransferKvRequest, peers: list[str], block_ids: list[int]
+    ) -> Future[TransferResult]:
+        """Tensor parallelism on either side: every rank of this group sends the head slices
+        it holds to the decode ranks that keep them (`tp_kv.py`), `peers` (`_receivers`).
+        The future is this rank's sends; the other ranks' arrive at the decode ranks, which
+        wait for all."""
+        w = self.worker
+        assert w.transport is not None
+        runner = w.loop.engine.runner
+        dst_tp = len(peers)
         slices = plan(runner.hf_config.num_key_value_heads, w.tensor_parallel, dst_tp)
         timeout = w.transfer_timeout_s
         mine = [s for s in slices if s.src_rank == 0]

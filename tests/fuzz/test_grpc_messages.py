@@ -33,6 +33,7 @@ from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from proto_strategies import binaries, integers, messages, mutated_bytes, wire_bytes
 
+from pdserve.common.kv_transfer.ucx import _seal
 from pdserve.v1 import decode_pb2, generate_pb2, kv_pb2, prefill_pb2, worker_pb2
 
 pytestmark = pytest.mark.slow
@@ -502,10 +503,29 @@ def test_undecodable_request_is_invalid_argument(fresh_cluster: Cluster, service
     assert code == C.INVALID_ARGUMENT, f"{code.name}: {details}"
 
 
-def test_transfer_to_a_malformed_address_is_invalid_argument(fresh_cluster: Cluster) -> None:
+WELL_FORMED = _seal(b"no such worker")  # passes the address check; nothing listens there
+
+
+@pytest.mark.parametrize(
+    "field, receivers",
+    [
+        ("receiver_address", {"receiver_address": b"a"}),
+        ("rank_receiver_addresses", {"receiver_address": WELL_FORMED,
+                                     "receiver_tensor_parallel": 2}),
+        ("rank_receiver_addresses[0]", {"receiver_address": WELL_FORMED,
+                                        "rank_receiver_addresses": [b"x"],
+                                        "receiver_tensor_parallel": 2}),
+    ],
+    ids=["address", "rank-count", "rank-address"],
+)  # fmt: skip
+def test_transfer_to_a_malformed_address_is_invalid_argument(
+    fresh_cluster: Cluster, field: str, receivers: dict
+) -> None:
     """Found: TransferKv(lease_id=<a real lease>, receiver_address=b"a") was answered
     UNAVAILABLE ("KV transfer failed: peer address ... is not a UCX transport's"), a
-    retryable 'server down', and the lease was gone afterwards."""
+    retryable 'server down', and the lease was gone afterwards; and later (22,107 cases)
+    the same for a receiving group whose rank addresses were too few, after the lease was
+    taken. Each is checked before the lease is touched, naming the field."""
     fresh_cluster.start_all(ALL_SERVICES)
     [transfer] = [t for t in TARGETS if t.name == "prefill.TransferKv"]
     caller = Caller(fresh_cluster, transfer)
@@ -513,7 +533,7 @@ def test_transfer_to_a_malformed_address_is_invalid_argument(fresh_cluster: Clus
         real = caller.prefill()
         assert real is not None
         lease = real.kv_handle.lease_id
-        request = prefill_pb2.TransferKvRequest(lease_id=lease, receiver_address=b"a", tag=1)
+        request = prefill_pb2.TransferKvRequest(lease_id=lease, tag=1, **receivers)
         code, details = caller.call(request.SerializeToString())
         release = caller.channel("prefill").unary_unary(
             "/pdserve.v1.PrefillService/ReleaseKv",
@@ -524,6 +544,7 @@ def test_transfer_to_a_malformed_address_is_invalid_argument(fresh_cluster: Clus
     finally:
         caller.close()
     assert code == C.INVALID_ARGUMENT, f"{code.name}: {details}"
+    assert details.startswith(f"{field}:"), details
     assert kept, "the refused transfer took the lease with it"
 
 
