@@ -63,19 +63,12 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
-def first_argmax(x: Tensor) -> Tensor:
-    """`x.argmax(dim=-1)`: the first maximal index of each row (a NaN counts as the
-    maximum, as there). `max` gives the same indices, and on CPU in about half the time
-    (2.0 vs 0.9 ms over [64, 49152] float32 on two cores: a batch-64 decode step's logits)."""
-    return x.max(dim=-1).indices
-
-
 def _exponential_race(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """Draw one index per row with probability ``probs``: argmax(probs / Exp(1) noise)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     # Exp(1) can round to 0; masked tokens (prob 0) would then give 0/0 = nan.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return first_argmax(probs / noise)
+    return (probs / noise).argmax(dim=-1)
 
 
 class Sampler:
@@ -110,10 +103,10 @@ class Sampler:
 
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if len(greedy) == n:  # the common case: no copy of the [n, vocab] logits
-            tokens = first_argmax(logits)
+            tokens = logits.argmax(dim=-1)
         elif greedy:
             rows = torch.tensor(greedy, device=device)
-            tokens[rows] = first_argmax(logits[rows])
+            tokens[rows] = logits[rows].argmax(dim=-1)
 
         rand = [i for i, sp in enumerate(params) if not sp.greedy]
         if rand:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pdserve.common.sampler import Sampler, apply_top_k_top_p, first_argmax
+from pdserve.common.sampler import Sampler, apply_top_k_top_p
 from pdserve.common.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -28,23 +28,6 @@ def test_greedy_is_argmax() -> None:
     out = Sampler().sample(logits, params, [None] * 8)
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 8
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_argmax_is_argmax_with_ties_nan_and_inf(dtype) -> None:
-    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
-    x[1, 7] = x[1, 9000] = x[1, 30000] = 100.0  # ties: the first one
-    x[2, 4000] = float("nan")
-    x[2, 5000] = float("nan")
-    x[3] = float("-inf")
-    x[4, 11] = float("inf")
-    x[5] = torch.round(x[5])  # many ties in one row
-    x[6] = 0.0
-    x[6, 0] = -0.0  # equal to 0.0: still the first maximum
-    want = x.argmax(dim=-1)
-    assert want[1] == 7 and want[2] == 4000 and want[4] == 11 and want[6] == 0
-    assert torch.equal(first_argmax(x), want)
-    assert torch.equal(first_argmax(x[:1]), want[:1])
 
 
 def test_rows_must_match() -> None:
