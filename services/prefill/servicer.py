@@ -196,12 +196,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         )
 
     def _receivers(self, request: prefill_pb2.TransferKvRequest) -> list[str]:
-        """The decode ranks' transport addresses, rank 0 first, each well formed and as many
-        as the receiving group has ranks that split the model's kv heads; else a ValueError
-        naming the field."""
+        """The decode ranks' transport addresses, rank 0 first, each well formed and (with
+        tensor parallelism on either side) as many as the receiving group has ranks that
+        split the model's kv heads; else a ValueError naming the field."""
         w = self.worker
         assert w.transport is not None
-        peers = [request.receiver_address, *request.rank_receiver_addresses]
+        sliced = w.tensor_parallel > 1 or request.receiver_tensor_parallel > 1
+        peers = [request.receiver_address]  # without slices rank 0 sends all to rank 0
+        if sliced:
+            peers += request.rank_receiver_addresses
         for i, peer in enumerate(peers):
             field = "receiver_address" if i == 0 else f"rank_receiver_addresses[{i - 1}]"
             if not peer:
@@ -210,6 +213,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 w.transport.check_peer(peer)
             except KvTransferError as e:
                 raise ValueError(f"{field}: {e}") from e
+        if not sliced:
+            return peers
         dst_tp = max(1, request.receiver_tensor_parallel)
         if len(peers) != dst_tp:
             raise ValueError(
