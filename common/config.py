@@ -77,6 +77,8 @@ class EngineConfig:
     eplb_interval: int = 64
     # Dense models: split every layer over this many rank processes (rank 0 schedules).
     tensor_parallel: int = 1
+    # GPUs: run every step eagerly instead of replaying decode steps as CUDA graphs.
+    enforce_eager: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from pdserve.common.config import EngineConfig
+from pdserve.common.decode_graphs import DecodeGraphs
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.expert_balance import ExpertBalancer
@@ -34,9 +35,11 @@ from pdserve.common.models.tp_steps import (
     StepSender,
     receive_step,
 )
+from pdserve.common.prompts import max_model_len
 from pdserve.common.request import Request
 from pdserve.common.sampler import Sampler, TokenLogprobs
 from pdserve.common.scheduler import ScheduledBatch
+from pdserve.kernels import invariant_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.layout_fingerprint = self._layout_fingerprint(state["model.embed_tokens.weight"])
         del state
+        self.decode_graphs = self._capture_decode_graphs()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks, self.block_size,
@@ -154,13 +158,34 @@ class ModelRunner:
         onto another's)."""
         m = self.model
         rows = embed[:: max(1, embed.shape[0] // 8)][:8].to(self.dtype)
-        digest = hashlib.sha256(rows.float().numpy().tobytes()).hexdigest()[:12]
+        digest = hashlib.sha256(rows.float().cpu().numpy().tobytes()).hexdigest()[:12]
         arch = self.hf_config.model_type
         dtype = str(self.dtype).removeprefix("torch.")
         return (
             f"{arch}/{dtype}/layers={m.num_layers}/kv_heads={self.hf_config.num_key_value_heads}"
             f"/head_dim={m.head_dim}/block={self.block_size}/{digest}"
         )
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps (`decode_graphs.py`) on a GPU for a dense model on one
+        rank with the batch-invariant kernels (padding relies on them), unless
+        `enforce_eager`; None where steps run eagerly."""
+        c = self.config
+        if (
+            self.device.type != "cuda"
+            or c.enforce_eager
+            or not invariant_gemm.enabled()
+            or self.tp is not None
+            or c.expert_parallel > 1
+            or self.model.moe_blocks()
+        ):
+            return None
+        longest = max_model_len(self.hf_config, c.max_model_len)
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, c.max_num_seqs, -(-longest // self.block_size)
+        )
+        graphs.capture()
+        return graphs
 
     def _tensor_shard(self) -> TensorShard:
         """This rank's place in its tensor-parallel group; the process already belongs to
@@ -241,10 +266,21 @@ class ModelRunner:
         return None if self.expert_counter is None else self.expert_counter.snapshot()
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        input_ids, positions, meta, sample_idx, sampling = self._prepare(batch)
-        if self.step_sender is not None:
-            self.step_sender.send(StepInputs(input_ids, positions, meta, sample_idx))
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        graphs = self.decode_graphs
+        requests = batch.requests
+        if (
+            graphs is not None
+            and batch.num_decodes == len(requests)
+            and graphs.fits(len(requests), max(len(r.blocks) for r in requests))
+        ):
+            tokens, positions, slots, rows, sampling = self._decode_rows(requests)
+            hidden = graphs.run(tokens, positions, slots, [r.block_ids for r in requests])
+            sample_idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        else:
+            input_ids, pos, meta, sample_idx, sampling = self._prepare(batch)
+            if self.step_sender is not None:
+                self.step_sender.send(StepInputs(input_ids, pos, meta, sample_idx))
+            hidden = self.model.forward(input_ids, pos, meta, self.kv_cache)
         self.num_forwards += 1
         if not sampling:
             return []
@@ -260,17 +296,17 @@ class ModelRunner:
             for r, t, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
         ]
 
-    def _prepare(self, batch: ScheduledBatch):
+    def _decode_rows(
+        self, decodes: list[Request]
+    ) -> tuple[list[int], list[int], list[int], list[int], list[Request]]:
+        """Decodes advance one token each, at position num_computed_tokens: their tokens,
+        positions and KV slots, and which rows sample (and for whom)."""
         bs = self.block_size
-        nd = batch.num_decodes
-        decodes = batch.requests[:nd]
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_idx: list[int] = []
         sampling: list[Request] = []
-
-        # Decodes: one token each, at position num_computed_tokens.
         for i, r in enumerate(decodes):
             pos = r.num_computed_tokens
             tokens.append(r.all_token_ids[pos])
@@ -279,6 +315,13 @@ class ModelRunner:
             if pos + 1 == r.num_tokens:
                 sample_idx.append(i)
                 sampling.append(r)
+        return tokens, positions, slots, sample_idx, sampling
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        nd = batch.num_decodes
+        decodes = batch.requests[:nd]
+        tokens, positions, slots, sample_idx, sampling = self._decode_rows(decodes)
 
         # Prefill chunks: a run of tokens each.
         query_start = [0]

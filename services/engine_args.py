@@ -162,6 +162,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=env("no_prefix_caching", "0") not in ("0", "", "false"),
                    help="turn off automatic prefix caching")  # fmt: skip
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=env("enforce_eager", "0") not in ("0", "", "false"),
+        help="GPUs: run decode steps eagerly instead of replaying them as CUDA graphs "
+        "(captured at start for batch sizes up to --max-num-seqs)",
+    )
 
 
 SERVICE_ROLES = ("prefill", "decode", "colocated")
@@ -203,6 +210,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         redundant_experts=args.redundant_experts,
         eplb_interval=args.eplb_interval,
         tensor_parallel=args.tensor_parallel,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -287,4 +295,6 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     return argv

@@ -157,6 +157,10 @@ def determinism(folder: Path, device: str, dtype: str, new_tokens: int) -> dict[
         greedy if mine else SamplingParams(max_tokens=rng.randint(2, new_tokens + 4))
         for _, mine in mixed
     ]
+    # CUDA graphs (a GPU engine replays decode steps) against the same steps run eagerly.
+    eager = make_engine(folder, device, dtype, kv_cache_tokens=16384, enforce_eager=True)
+    eager_ids = [o.token_ids for o in eager.generate(prompts, greedy)]
+    graphs = wide.runner.decode_graphs
     outs = narrow.generate([p for p, _ in mixed], params)
     mine = [o.token_ids for (_, m), o in zip(mixed, outs, strict=True) if m]
     order = [p for p, m in mixed if m]
@@ -181,9 +185,13 @@ def determinism(folder: Path, device: str, dtype: str, new_tokens: int) -> dict[
         "prefix_cache_hit": again.cached_tokens > 0 and again.token_ids == first.token_ids,
         "behind_a_cached_prefix": other == cold,
         "seeded_sampling": batch[1].token_ids == seeded_alone,
-        "blocks_all_free": all(all_blocks_free(e) for e in (wide, narrow, cached)),
+        "cuda_graphs_equal_eager": eager_ids == together,
+        "blocks_all_free": all(all_blocks_free(e) for e in (wide, narrow, cached, eager)),
     }
-    return {"ok": all(checks.values()), "dtype": dtype, **checks}
+    replays = graphs.replays if graphs is not None else 0
+    if device.startswith("cuda"):  # graphs were captured and replayed
+        checks["cuda_graphs_replayed"] = replays > 0 and eager.runner.decode_graphs is None
+    return {"ok": all(checks.values()), "dtype": dtype, "cuda_graph_replays": replays, **checks}
 
 
 def run(ctx: Context) -> dict[str, Any]:

@@ -24,7 +24,7 @@ PARTS = ("environment", "kernels", "engine", "speed", "disaggregation", "expert_
 STATUSES = ("ok", "failed", "skipped")
 # Seconds each part may take at most (the run's budget may leave it less).
 TIMEOUT_S = {
-    "cuda": {"environment": 60, "kernels": 120, "engine": 120, "speed": 150,
+    "cuda": {"environment": 60, "kernels": 120, "engine": 120, "speed": 180,
              "disaggregation": 150, "expert_parallel": 60},
     "cpu": {"environment": 30, "kernels": 60, "engine": 60, "speed": 60,
             "disaggregation": 90, "expert_parallel": 60},

@@ -234,16 +234,25 @@ def run(ctx: Context) -> dict[str, Any]:
     params = layer_params + 2 * vocab * h + h  # + embeddings, LM head, final norm
     weight_bytes = (layer_params + vocab * h) * dtype.itemsize  # a step reads these (LM head)
     kv_per_token = layers * 2 * cfg["num_key_value_heads"] * h // cfg["num_attention_heads"] * 2
-    steps = decode_steps(engine, batches, prompt_len, vocab, reps=5 if ctx.tiny else 10)
+    reps = 5 if ctx.tiny else 10
+    steps = decode_steps(engine, batches, prompt_len, vocab, reps)
+    # The same steps eagerly (no CUDA graphs; on CPU both are eager).
+    graphs = engine.runner.decode_graphs
+    replays = graphs.replays if graphs is not None else 0
+    engine.runner.decode_graphs = None
+    eager = decode_steps(engine, batches, prompt_len, vocab, reps)
+    engine.runner.decode_graphs = graphs
     copy = rates["copy_gb_per_s"] * 1e9
     decode = {}
     for b, s in steps.items():
         kv_bytes = int(b) * (prompt_len + 2) * kv_per_token
         decode[b] = {
             "step_ms": rounded(s * 1e3),
+            "eager_step_ms": rounded(eager[b] * 1e3),
             "tokens_per_s": rounded(int(b) / s),
             "hbm_floor_ms": rounded((weight_bytes + kv_bytes) / copy * 1e3),
             "over_floor": rounded(s / ((weight_bytes + kv_bytes) / copy)),
+            "eager_over_floor": rounded(eager[b] / ((weight_bytes + kv_bytes) / copy)),
         }
     pre_s = prefill(engine, pre_prompts, pre_len, vocab, device)
     tokens = pre_prompts * pre_len
@@ -256,13 +265,19 @@ def run(ctx: Context) -> dict[str, Any]:
     return {
         "status": "ok",
         "reason": f"decode batch 1 {decode['1']['step_ms']} ms ({decode['1']['over_floor']}x "
-        f"the HBM floor); prefill {rounded(tokens / pre_s)} tok/s, "
+        f"the HBM floor; eager {decode['1']['eager_step_ms']} ms); "
+        f"prefill {rounded(tokens / pre_s)} tok/s, "
         f"MFU {rounded(achieved / rates['matmul_tflops'])}",
         "model": "llama-3-8b shapes" if not ctx.tiny else "tiny llama",
         "config": cfg,
         "parameters": params,
         "weight_bytes_read_per_step": weight_bytes,
         "build_s": round(build_s, 2),
+        "cuda_graphs": {
+            "captured_sizes": sorted(graphs.graphs) if graphs is not None else [],
+            "capture_s": round(graphs.capture_s, 2) if graphs is not None else None,
+            "replays_in_decode_steps": replays,
+        },
         "device_rates": {k: rounded(v) for k, v in rates.items()},
         "decode_prompt_tokens": prompt_len,
         "decode": decode,
