@@ -55,8 +55,13 @@ class StaticDecodeInputs:
         self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
-        # The host side, filled row by row and copied over in one transfer per buffer.
-        self._host_tables = torch.zeros((rows, max_blocks), dtype=torch.int32)
+        # Host staging (pinned on a GPU, so the copies do not wait for the host): filled
+        # through numpy, then one asynchronous copy per buffer. A step's copies are done
+        # before the next fill, since sampling waits for the step's results.
+        pin = device.type == "cuda"
+        self._host_rows = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pin)
+        self._host_lens = torch.zeros(rows, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, pin_memory=pin)
 
     def padded_size(self, batch: int) -> int | None:
         """The smallest size holding `batch` rows, or None if none does."""
@@ -79,23 +84,26 @@ class StaticDecodeInputs:
         size = self.padded_size(n)
         if n == 0 or size is None:
             raise ValueError(f"no captured size holds a batch of {n}")
-        pad = size - n
-        host = self._host_tables[:size]
-        host.zero_()
+        rows, lens, tables = (
+            self._host_rows.numpy(),
+            self._host_lens.numpy(),
+            self._host_tables.numpy()[:size],
+        )
+        rows[0, :n], rows[1, :n], rows[2, :n] = tokens, positions, slots
+        rows[:, n:size] = rows[:, :1]
+        lens[:size] = rows[1, :size] + 1
+        tables.fill(0)
         for b, ids in enumerate(block_ids):
-            host[b, : len(ids)] = torch.as_tensor(ids, dtype=torch.int32)
-        if pad:
-            host[n:] = host[0]
-        lens = [p + 1 for p in positions]
-        for buf, values in (
-            (self.input_ids, tokens),
-            (self.positions, positions),
-            (self.slots, slots),
-            (self.seq_lens, lens),
+            tables[b, : len(ids)] = ids
+        tables[n:] = tables[0]
+        for buf, host in (
+            (self.input_ids, self._host_rows[0]),
+            (self.positions, self._host_rows[1]),
+            (self.slots, self._host_rows[2]),
+            (self.seq_lens, self._host_lens),
+            (self.block_tables, self._host_tables),
         ):
-            row = torch.tensor(list(values) + [values[0]] * pad, dtype=buf.dtype)
-            buf[:size].copy_(row, non_blocking=False)
-        self.block_tables[:size].copy_(host)
+            buf[:size].copy_(host[:size], non_blocking=True)
         return size
 
     def metadata(self, size: int) -> AttentionMetadata:

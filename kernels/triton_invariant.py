@@ -23,6 +23,13 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+# Software-pipeline depth by layer shape (never by M, so invariance holds): a layer of at most
+# this many output columns has fewer column tiles than a large GPU has SMs, and at decode's
+# row counts each program must keep more weight loads in flight to stream at the memory's
+# rate. Measured on an H200 (benchmarks/gpu_linear_tiles.py), one row: 4096x4096 38.6 ->
+# 25.5 us, 4096x14336 114 -> 70 us, 6144x4096 40.8 -> 29.9 us, prefill's 8192 rows within
+# 1-4%; the same bits at every depth. Wider layers (gate/up, the LM head) are best at 3.
+DEEP_PIPELINE_MAX_N, DEEP_STAGES, STAGES = 8192, 5, 3
 # Triton's interpreter multiplies bf16 tiles as raw integers: there the tiles are widened to
 # float32 first (exact); compiled kernels multiply bf16 on the tensor cores.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -91,6 +98,7 @@ def linear(
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         WIDEN=_INTERPRETED and x.dtype != torch.float32, INTERPRETED=_INTERPRETED,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_stages=DEEP_STAGES if n <= DEEP_PIPELINE_MAX_N else STAGES,
     )  # fmt: skip
     return y
 

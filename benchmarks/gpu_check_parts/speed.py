@@ -8,7 +8,10 @@ device reaches in the same run:
   HBM floor of a decode step it gives: weight bytes (plus the batch's KV bytes) / that rate;
 - `matmul_tflops`: an 8192^3 bf16 `torch.mm` (cuBLAS), and the batch-invariant Triton dense
   layer (what the engine runs) at the MLP's shape, for prefill's MFU;
-- decode step time (median of engine steps) at batch 1, 16, 64, 256 with 128-token prompts;
+- decode step time (median of engine steps) at batch 1, 16, 64, 256 with 128-token prompts,
+  replayed from CUDA graphs (the engine's default on a GPU) and run eagerly, and the graph
+  replayed alone (the device's share of the step); one row through each layer shape, the
+  Triton dense layer beside cuBLAS;
 - prefill: 8 prompts of 1024 tokens in one 8192-token step, tokens/s, and MFU = FLOPs
   (2 x parameters per token, attention's QK and PV, the LM head for each last token) per
   second over the measured mm rate.
@@ -22,6 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -152,17 +156,28 @@ def device_rates(device: str, tiny: bool) -> dict[str, float]:
         out["invariant_linear_tflops_8192x28672x4096"] = 2 * m * k * nn / s / 1e12
         s1 = time_it(lambda: triton_invariant.linear(x[:1], w), device, warmup=2, reps=10)
         out["invariant_linear_1_row_weight_gb_per_s"] = nn * k * 2 / s1 / 1e9
+        # One row through each layer shape (decode at batch 1), beside cuBLAS.
+        for n_out, k_in in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            w = torch.randn(n_out, k_in, device=device).to(torch.bfloat16) * 0.02
+            x1 = torch.randn(1, k_in, device=device).to(torch.bfloat16)
+            ours = time_it(partial(triton_invariant.linear, x1, w), device, warmup=2, reps=20)
+            theirs = time_it(partial(torch.nn.functional.linear, x1, w), device, 2, 20)
+            out[f"row_{n_out}x{k_in}_us"] = ours * 1e6
+            out[f"row_{n_out}x{k_in}_cublas_us"] = theirs * 1e6
     return out
 
 
 def decode_steps(
     engine: Any, batches: list[int], prompt_len: int, vocab: int, reps: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median engine step time per batch size, and (with CUDA graphs) the median time of
+    the step's graph replayed alone: the device's share of the step."""
     from pdserve.common.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=reps + 3, temperature=0.0, ignore_eos=True)
-    out = {}
+    graphs = engine.runner.decode_graphs
+    out, replay = {}, {}
     for batch in batches:
         for _ in range(batch):
             engine.add_request(
@@ -179,9 +194,13 @@ def decode_steps(
             engine.step()  # sampling reads the ids back: the step's device work is done
             times.append(time.perf_counter() - start)
         out[str(batch)] = statistics.median(times)
+        if graphs is not None and graphs.graphs:
+            # The inputs still hold the last step's rows: a replay rewrites the same K/V.
+            graph = graphs.graphs[graphs.inputs.padded_size(batch)]
+            replay[str(batch)] = time_it(graph.replay, engine.runner.device.type, 2, reps)
         while engine.has_unfinished_requests():
             engine.step()
-    return out
+    return out, replay
 
 
 def prefill(engine: Any, prompts: int, prompt_len: int, vocab: int, device: str) -> float:
@@ -235,12 +254,12 @@ def run(ctx: Context) -> dict[str, Any]:
     weight_bytes = (layer_params + vocab * h) * dtype.itemsize  # a step reads these (LM head)
     kv_per_token = layers * 2 * cfg["num_key_value_heads"] * h // cfg["num_attention_heads"] * 2
     reps = 5 if ctx.tiny else 10
-    steps = decode_steps(engine, batches, prompt_len, vocab, reps)
+    steps, replay = decode_steps(engine, batches, prompt_len, vocab, reps)
     # The same steps eagerly (no CUDA graphs; on CPU both are eager).
     graphs = engine.runner.decode_graphs
     replays = graphs.replays if graphs is not None else 0
     engine.runner.decode_graphs = None
-    eager = decode_steps(engine, batches, prompt_len, vocab, reps)
+    eager, _ = decode_steps(engine, batches, prompt_len, vocab, reps)
     engine.runner.decode_graphs = graphs
     copy = rates["copy_gb_per_s"] * 1e9
     decode = {}
@@ -249,6 +268,7 @@ def run(ctx: Context) -> dict[str, Any]:
         decode[b] = {
             "step_ms": rounded(s * 1e3),
             "eager_step_ms": rounded(eager[b] * 1e3),
+            "graph_replay_ms": rounded(replay[b] * 1e3) if b in replay else None,
             "tokens_per_s": rounded(int(b) / s),
             "hbm_floor_ms": rounded((weight_bytes + kv_bytes) / copy * 1e3),
             "over_floor": rounded(s / ((weight_bytes + kv_bytes) / copy)),
