@@ -19,6 +19,11 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"PDSERVE_{name.upper()}", default)
 
 
+def flag_env(name: str) -> bool:
+    """A switch's default from PDSERVE_<NAME>: on unless unset, empty, 0 or false."""
+    return env(name, "0") not in ("0", "", "false")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (each also read from PDSERVE_<NAME>)")
     g.add_argument(
@@ -160,12 +165,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "recently used blocks it knows of (default: %(default)s)",
     )
     g.add_argument("--no-prefix-caching", action="store_true",
-                   default=env("no_prefix_caching", "0") not in ("0", "", "false"),
+                   default=flag_env("no_prefix_caching"),
                    help="turn off automatic prefix caching")  # fmt: skip
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        default=env("enforce_eager", "0") not in ("0", "", "false"),
+        default=flag_env("enforce_eager"),
         help="GPUs: run decode steps eagerly instead of replaying them as CUDA graphs "
         "(captured at start for batch sizes up to --max-num-seqs)",
     )

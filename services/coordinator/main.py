@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from pdserve.services.auth import ApiKeys
     from pdserve.services.coordinator.discovery import Discovery
-from pdserve.services.engine_args import env, int_env
+from pdserve.services.engine_args import env, flag_env, int_env
 from pdserve.services.service_args import add_service_args
 
 
@@ -66,7 +66,7 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-kv-events",
         action="store_true",
-        default=env("no_kv_events", "0") not in ("0", "", "false"),
+        default=flag_env("no_kv_events"),
         help="prefix_aware: index prefixes from this coordinator's own decisions instead of "
         "the workers' cache reports (approximate)",
     )
@@ -92,7 +92,7 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-log-requests",
         action="store_true",
-        default=env("no_log_requests", "0") not in ("0", "", "false"),
+        default=flag_env("no_log_requests"),
         help="no JSON line on stderr per finished request",
     )
     g.add_argument(

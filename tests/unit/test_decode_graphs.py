@@ -77,3 +77,23 @@ def test_padded_graph_path_gives_the_eager_ids(tiny_model_dir, dtype: str) -> No
     # Decode-only steps went through the graph path (eagerly here: nothing captured).
     assert runner.decode_graphs.steps >= 11 + 11  # the first token of each comes from prefill
     assert runner.decode_graphs.replays == 0
+
+
+def test_enforce_eager_from_the_flag_or_the_environment(monkeypatch) -> None:
+    import argparse
+
+    from pdserve.services.engine_args import add_engine_args, engine_argv, engine_config
+
+    def parse(*argv: str) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        add_engine_args(p)
+        return p.parse_args(list(argv))
+
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+    assert engine_config(parse()).enforce_eager is False
+    args = parse("--enforce-eager")
+    assert engine_config(args).enforce_eager is True
+    assert "--enforce-eager" in engine_argv(args)  # handed on to a worker's process
+    for value, on in (("1", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv("PDSERVE_ENFORCE_EAGER", value)
+        assert engine_config(parse()).enforce_eager is on
