@@ -7,12 +7,15 @@ build logs one warning and yields None; callers then use their torch path."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -56,6 +59,26 @@ def build_dir(name: str) -> Path:
     return Path(root).expanduser() / f"{name}-{cpu_arch()}-{cpu_tag()}"
 
 
+@contextlib.contextmanager
+def _build_guard(directory: Path) -> Iterator[None]:
+    """Holds an flock on `directory` while torch loads the extension there, and clears a
+    lock file torch left behind. torch's own lock (its `FileBaton`, the file `lock`, taken
+    for every load, even when nothing needs building) stays if its process is killed
+    meanwhile (a worker OOM-killed or timed out at start-up), and every later process then
+    waits on it forever. The kernel drops an flock with its process, and every load of this
+    folder goes through here, so a `lock` file found while holding it is such a leftover."""
+    with open(directory / "pdserve-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a process killed while loading", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load_extension(name: str, sources: list[Path], verbose: bool = False) -> ModuleType | None:
     """The compiled extension `name` (built on first use), or None if it cannot be built."""
     if name in _loaded:
@@ -68,14 +91,15 @@ def load_extension(name: str, sources: list[Path], verbose: bool = False) -> Mod
 
                 directory = build_dir(name)
                 directory.mkdir(parents=True, exist_ok=True)
-                module = cpp_extension.load(
-                    name=name,
-                    sources=[str(s) for s in sources],
-                    extra_cflags=cflags(),
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    verbose=verbose,
-                )
+                with _build_guard(directory):
+                    module = cpp_extension.load(
+                        name=name,
+                        sources=[str(s) for s in sources],
+                        extra_cflags=cflags(),
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory),
+                        verbose=verbose,
+                    )
             except Exception as exc:  # compiler missing, build error, bad cache dir...
                 first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 logger.warning("pdserve C++ extension %s unavailable (%s)", name, first_line)
