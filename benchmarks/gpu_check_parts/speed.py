@@ -14,7 +14,8 @@ device reaches in the same run:
   Triton dense layer beside cuBLAS;
 - prefill: 8 prompts of 1024 tokens in one 8192-token step, tokens/s, and MFU = FLOPs
   (2 x parameters per token, attention's QK and PV, the LM head for each last token) per
-  second over the measured mm rate.
+  second over the measured mm rate; one layer's attention and dense layers timed alone at
+  that shape, times the layers, as shares of the step.
 
 `--tiny`: a 4-layer, 256-wide model, shorter prompts and smaller rates' operands (the CPU
 dry run: the figures mean nothing there, the code path is what it checks)."""
@@ -121,7 +122,7 @@ def model_folder(folder: Path, cfg: dict[str, Any], tokenizer_dir: Path) -> Path
         "model_type": "llama",
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": "bfloat16",  # the engine is given its dtype explicitly
         **cfg,
     }
     (folder / "config.json").write_text(json.dumps(config))
@@ -130,15 +131,15 @@ def model_folder(folder: Path, cfg: dict[str, Any], tokenizer_dir: Path) -> Path
     return folder
 
 
-def device_rates(device: str, tiny: bool) -> dict[str, float]:
-    nbytes = (256 if tiny else 4096) * 2**20
-    bufs = [torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()]
+def device_rates(device: str, tiny: bool, dtype: torch.dtype) -> dict[str, float]:
+    nbytes = (64 if tiny else 4096) * 2**20
+    bufs = [torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()]
     bufs.append(torch.empty_like(bufs[0]))
     copy_s = time_it(lambda: bufs[1].copy_(bufs[0]), device, warmup=3, reps=10)
     bufs.clear()
-    n = 1024 if tiny else 8192
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    n = 512 if tiny else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     mm_s = time_it(lambda: a @ b, device, warmup=3, reps=10)
     out = {
         "copy_gb_per_s": 2 * nbytes / copy_s / 1e9,
@@ -222,12 +223,65 @@ def prefill(engine: Any, prompts: int, prompt_len: int, vocab: int, device: str)
     return min(times[1:])
 
 
+def prefill_parts(engine: Any, prompts: int, prompt_len: int, device: str) -> dict[str, float]:
+    """Seconds of one layer's attention and of its dense layers (q/k/v, o, gate/up, down)
+    at the prefill step's shape (`prompts` fresh prompts of `prompt_len` tokens in one
+    step), each alone on random inputs: times the number of layers, where a prefill step's
+    time goes."""
+    from pdserve.kernels import attention
+
+    model, kv = engine.runner.model, engine.kv_cache
+    tokens, heads, kv_heads, d = (
+        prompts * prompt_len, model.num_heads, model.num_kv_heads, model.head_dim
+    )  # fmt: skip
+    blocks = [kv.pool.get_new_blocks(kv.blocks_needed(prompt_len)) for _ in range(prompts)]
+    try:
+        table = torch.tensor([[b.block_id for b in bs] for bs in blocks], dtype=torch.int32)
+        bs = kv.block_size
+        pos = torch.arange(prompt_len)
+        slots = torch.cat([row.long()[pos // bs] * bs + pos % bs for row in table]).to(device)
+        q = torch.randn(tokens, heads, d, device=device).to(model.embed.dtype)
+        k = torch.randn(tokens, kv_heads, d, device=device).to(model.embed.dtype)
+        v = torch.randn_like(k)
+        cache = engine.runner.kv_cache
+        attention.write_kv(cache, 0, k, v, slots)
+        starts = [i * prompt_len for i in range(prompts + 1)]
+
+        def attend() -> Any:
+            return attention.prefill_attention(
+                q, k, v, cache, 0, starts, [prompt_len] * prompts, table.to(device), model.scale
+            )
+
+        out = {"attention_s": time_it(attend, device, warmup=1, reps=3)}
+    finally:
+        for bs_ in blocks:
+            kv.pool.free_blocks(bs_)
+    w = model.layers[0]  # a dense Llama layer (DenseMlp)
+
+    def rows(width: int) -> torch.Tensor:
+        return torch.randn(tokens, width, device=device).to(model.embed.dtype)
+
+    linears = [
+        (w.qkv, rows(w.qkv.in_features)),
+        (w.o_proj, rows(w.o_proj.in_features)),
+        (w.mlp.gate_up, rows(w.mlp.gate_up.in_features)),
+        (w.mlp.down, rows(w.mlp.down.in_features)),
+    ]
+    out["dense_s"] = sum(time_it(partial(layer, x), device, 1, 3) for layer, x in linears)
+    return out
+
+
 def run(ctx: Context) -> dict[str, Any]:
     import pdserve.common.model_runner as model_runner
 
     cfg = TINY if ctx.tiny else LLAMA_8B
-    device, dtype = ctx.device, torch.bfloat16
-    rates = device_rates(device, ctx.tiny)
+    from pdserve.common.config import auto_dtype
+
+    # bfloat16 on a GPU; the CPU dry run takes the engine's own default (float32 where the
+    # CPU has no native bf16: emulated, it would take minutes there).
+    dtype_name = "bfloat16" if ctx.cuda else auto_dtype(ctx.device)
+    device, dtype = ctx.device, getattr(torch, dtype_name)
+    rates = device_rates(device, ctx.tiny, dtype)
     weights = RandomWeights(cfg, dtype, device)
     # The runner loads through this module-level function: hand it the random weights.
     model_runner.load_state_dict = lambda folder: weights  # type: ignore[assignment]
@@ -240,7 +294,7 @@ def run(ctx: Context) -> dict[str, Any]:
     engine = make_engine(
         folder,
         device,
-        "bfloat16",
+        dtype_name,
         kv_cache_tokens=(16 if ctx.tiny else 64) * 1024,
         max_num_seqs=256,
         max_num_batched_tokens=pre_prompts * pre_len,
@@ -255,12 +309,14 @@ def run(ctx: Context) -> dict[str, Any]:
     kv_per_token = layers * 2 * cfg["num_key_value_heads"] * h // cfg["num_attention_heads"] * 2
     reps = 5 if ctx.tiny else 10
     steps, replay = decode_steps(engine, batches, prompt_len, vocab, reps)
-    # The same steps eagerly (no CUDA graphs; on CPU both are eager).
+    # The same steps eagerly, where they ran from CUDA graphs (on CPU they were eager).
     graphs = engine.runner.decode_graphs
     replays = graphs.replays if graphs is not None else 0
-    engine.runner.decode_graphs = None
-    eager, _ = decode_steps(engine, batches, prompt_len, vocab, reps)
-    engine.runner.decode_graphs = graphs
+    eager = steps
+    if graphs is not None:
+        engine.runner.decode_graphs = None
+        eager, _ = decode_steps(engine, batches, prompt_len, vocab, reps)
+        engine.runner.decode_graphs = graphs
     copy = rates["copy_gb_per_s"] * 1e9
     decode = {}
     for b, s in steps.items():
@@ -275,6 +331,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "eager_over_floor": rounded(eager[b] / ((weight_bytes + kv_bytes) / copy)),
         }
     pre_s = prefill(engine, pre_prompts, pre_len, vocab, device)
+    parts = prefill_parts(engine, pre_prompts, pre_len, device)
     tokens = pre_prompts * pre_len
     # 2 FLOPs per weight per token; causal attention QK and PV: 2 * 2 * H * (L / 2) per
     # token per layer; the LM head for the last token of each prompt.
@@ -289,6 +346,7 @@ def run(ctx: Context) -> dict[str, Any]:
         f"prefill {rounded(tokens / pre_s)} tok/s, "
         f"MFU {rounded(achieved / rates['matmul_tflops'])}",
         "model": "llama-3-8b shapes" if not ctx.tiny else "tiny llama",
+        "dtype": dtype_name,
         "config": cfg,
         "parameters": params,
         "weight_bytes_read_per_step": weight_bytes,
@@ -308,5 +366,8 @@ def run(ctx: Context) -> dict[str, Any]:
             "tokens_per_s": rounded(tokens / pre_s),
             "tflops": rounded(achieved),
             "mfu_vs_measured_mm": rounded(achieved / rates["matmul_tflops"]),
+            # Each part alone at this step's shape, times the layers, over the step's time.
+            "attention_share": rounded(parts["attention_s"] * layers / pre_s),
+            "dense_layers_share": rounded(parts["dense_s"] * layers / pre_s),
         },
     }
