@@ -94,7 +94,7 @@ serve: install
 
 test: lint
 	@echo "host: $$($(PY) -m pdserve.kernels.invariant_gemm --describe)"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # tests/fuzz with many more cases than `make test` gives them: FUZZ_CASES in all, shared
 # out by the tests (PDSERVE_FUZZ_CASES); the last line is their figures as JSON. Replay a
