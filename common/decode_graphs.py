@@ -41,12 +41,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class StaticDecodeInputs:
-    """The decode step's inputs in fixed buffers of `max_batch` rows (block tables
-    `max_blocks` wide), filled for a batch padded to one of `sizes`."""
+    """The decode step's inputs in fixed buffers of as many rows as the largest of `sizes`
+    (block tables `max_blocks` wide), filled for a batch padded to one of `sizes`."""
 
-    def __init__(
-        self, max_batch: int, max_blocks: int, sizes: Sequence[int], device: torch.device
-    ) -> None:
+    def __init__(self, max_blocks: int, sizes: Sequence[int], device: torch.device) -> None:
         self.sizes = sorted(sizes)
         self.max_blocks = max_blocks
         rows = self.sizes[-1]
@@ -55,6 +53,7 @@ class StaticDecodeInputs:
         self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self._no_prefills = torch.zeros((0, max_blocks), dtype=torch.int32, device=device)
         # Host staging (pinned on a GPU, so the copies do not wait for the host): filled
         # through numpy, then one asynchronous copy per buffer. A step's copies are done
         # before the next fill, since sampling waits for the step's results.
@@ -107,7 +106,6 @@ class StaticDecodeInputs:
         return size
 
     def metadata(self, size: int) -> AttentionMetadata:
-        device = self.input_ids.device
         return AttentionMetadata(
             slot_mapping=self.slots[:size],
             num_decode_tokens=size,
@@ -115,9 +113,8 @@ class StaticDecodeInputs:
             decode_seq_lens=self.seq_lens[:size],
             prefill_query_start_loc=[0],
             prefill_seq_lens=[],
-            prefill_block_tables=torch.zeros((0, self.max_blocks), dtype=torch.int32,
-                                             device=device),
-        )  # fmt: skip
+            prefill_block_tables=self._no_prefills,
+        )
 
     def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, size: int) -> torch.Tensor:
         """The eager forward over the first `size` rows: [size, hidden]."""
@@ -141,17 +138,15 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.inputs = StaticDecodeInputs(
-            max_batch, max_blocks, graph_batch_sizes(max_batch), kv_cache.device
-        )
+        self.inputs = StaticDecodeInputs(max_blocks, graph_batch_sizes(max_batch), kv_cache.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.steps = 0  # decode steps run over the static inputs
         self.replays = 0  # of which replayed from a graph
         self.capture_s = 0.0
 
-    def capture(self) -> float:
-        """Capture every size, largest first (the smaller ones reuse its pool); seconds."""
+    def capture(self) -> None:
+        """Capture every size, largest first (the smaller ones reuse its pool)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.kv_cache.device)
@@ -166,12 +161,11 @@ class DecodeGraphs:
                 self.outputs[size] = self.inputs.forward(self.model, self.kv_cache, size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.kv_cache.device)
-        self.capture_s = seconds = time.perf_counter() - start
+        self.capture_s = time.perf_counter() - start
         logger.info(
             "CUDA graphs: %d decode batch sizes (up to %d) captured in %.1f s",
-            len(self.graphs), self.inputs.sizes[-1], seconds,
+            len(self.graphs), self.inputs.sizes[-1], self.capture_s,
         )  # fmt: skip
-        return seconds
 
     def fits(self, batch: int, widest_table: int) -> bool:
         return self.inputs.fits(batch, widest_table)

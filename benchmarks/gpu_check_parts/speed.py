@@ -236,10 +236,11 @@ def prefill_parts(engine: Any, prompts: int, prompt_len: int, device: str) -> di
     )  # fmt: skip
     blocks = [kv.pool.get_new_blocks(kv.blocks_needed(prompt_len)) for _ in range(prompts)]
     try:
-        table = torch.tensor([[b.block_id for b in bs] for bs in blocks], dtype=torch.int32)
+        ids = torch.tensor([[b.block_id for b in seq] for seq in blocks], dtype=torch.int32)
         bs = kv.block_size
         pos = torch.arange(prompt_len)
-        slots = torch.cat([row.long()[pos // bs] * bs + pos % bs for row in table]).to(device)
+        slots = torch.cat([row.long()[pos // bs] * bs + pos % bs for row in ids]).to(device)
+        table = ids.to(device)
         q = torch.randn(tokens, heads, d, device=device).to(model.embed.dtype)
         k = torch.randn(tokens, kv_heads, d, device=device).to(model.embed.dtype)
         v = torch.randn_like(k)
@@ -249,13 +250,13 @@ def prefill_parts(engine: Any, prompts: int, prompt_len: int, device: str) -> di
 
         def attend() -> Any:
             return attention.prefill_attention(
-                q, k, v, cache, 0, starts, [prompt_len] * prompts, table.to(device), model.scale
+                q, k, v, cache, 0, starts, [prompt_len] * prompts, table, model.scale
             )
 
         out = {"attention_s": time_it(attend, device, warmup=1, reps=3)}
     finally:
-        for bs_ in blocks:
-            kv.pool.free_blocks(bs_)
+        for seq in blocks:
+            kv.pool.free_blocks(seq)
     w = model.layers[0]  # a dense Llama layer (DenseMlp)
 
     def rows(width: int) -> torch.Tensor:
@@ -273,9 +274,9 @@ def prefill_parts(engine: Any, prompts: int, prompt_len: int, device: str) -> di
 
 def run(ctx: Context) -> dict[str, Any]:
     import pdserve.common.model_runner as model_runner
+    from pdserve.common.config import auto_dtype
 
     cfg = TINY if ctx.tiny else LLAMA_8B
-    from pdserve.common.config import auto_dtype
 
     # bfloat16 on a GPU; the CPU dry run takes the engine's own default (float32 where the
     # CPU has no native bf16: emulated, it would take minutes there).

@@ -27,7 +27,7 @@ from pdserve.common.sampling_params import SamplingParams
 )
 def test_batch_sizes_cover_every_batch(max_batch: int, sizes: list[int]) -> None:
     assert graph_batch_sizes(max_batch) == sizes
-    inputs = StaticDecodeInputs(max_batch, 4, sizes, torch.device("cpu"))
+    inputs = StaticDecodeInputs(4, sizes, torch.device("cpu"))
     for batch in range(1, max_batch + 1):
         size = inputs.padded_size(batch)
         assert size is not None and size >= batch
@@ -36,7 +36,7 @@ def test_batch_sizes_cover_every_batch(max_batch: int, sizes: list[int]) -> None
 
 
 def test_padding_repeats_the_first_row() -> None:
-    inputs = StaticDecodeInputs(8, 3, [1, 2, 4, 8], torch.device("cpu"))
+    inputs = StaticDecodeInputs(3, [1, 2, 4, 8], torch.device("cpu"))
     size = inputs.fill([11, 12, 13], [5, 20, 33], [85, 404, 545], [[5], [7, 25], [9, 30, 34]])
     assert size == 4
     assert inputs.input_ids[:4].tolist() == [11, 12, 13, 11]
