@@ -64,6 +64,16 @@ class RunningService:
     def free_blocks(self) -> int:
         return int(self.metric("pdserve_kv_cache_blocks_free"))
 
+    def blocks_once_idle(self, timeout_s: float = 30.0) -> tuple[int, int]:
+        """(free, total) KV blocks once all are free again or the deadline passed: a
+        stream's blocks are freed just after its last token was sent, so a test that
+        checks for leaks right after a response polls rather than races."""
+        total = int(self.metric("pdserve_kv_cache_num_blocks"))
+        deadline = time.monotonic() + timeout_s
+        while (free := self.free_blocks()) != total and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return free, total
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -53,12 +53,12 @@ def test_disk_tier_serves_repeats_with_the_same_tokens(tmp_path):
         expected = _run(unbounded)
     tier_args = [*ARGS, "--kv-cache-tokens", "256", "--kv-offload-dir", str(tmp_path)]
     with running("colocated", *tier_args) as worker:
-        all_free = worker.free_blocks()
         assert _run(worker) == expected
         assert _settled(worker, "pdserve_kv_offload_hits_total", 1) > 0
         assert worker.metric("pdserve_kv_offload_stores_total") > 0
         assert worker.metric("pdserve_kv_offload_corrupt_total") == 0
-        assert worker.free_blocks() == all_free
+        free, total = worker.blocks_once_idle()
+        assert free == total
         with urllib.request.urlopen(worker.metrics_url, timeout=10) as response:
             exposition = response.read().decode()
         result = run_promtool("check", "metrics", stdin=exposition)
@@ -70,7 +70,8 @@ def test_disk_tier_serves_repeats_with_the_same_tokens(tmp_path):
         assert again.metric("pdserve_kv_offload_blocks") > 0
         assert _run(again, ROUNDS[:1]) == expected[: len(HISTORIES)]
         assert _settled(again, "pdserve_kv_offload_hits_total", 1) > 0
-        assert again.free_blocks() == again.metric("pdserve_kv_cache_num_blocks")
+        free, total = again.blocks_once_idle()
+        assert free == total
 
 
 def test_decode_worker_pulls_only_what_its_tier_lacks(tmp_path):
@@ -99,7 +100,8 @@ def test_decode_worker_pulls_only_what_its_tier_lacks(tmp_path):
         assert decode.metric("pdserve_kv_offload_hits_total") > 0
         # Round 1 pulls every conversation's 7 blocks; round 2 at most the new last block.
         assert pulled[0] == len(HISTORIES) * 7 and pulled[1] <= len(HISTORIES), pulled
-        assert decode.free_blocks() == decode.metric("pdserve_kv_cache_num_blocks")
+        free, total = decode.blocks_once_idle()
+        assert free == total
 
 
 def test_router_sends_a_conversation_to_the_tier_that_holds_it(tmp_path):
@@ -164,7 +166,8 @@ def test_shared_tier_carries_a_conversation_to_another_worker(tmp_path):
             cached.append(responses[-1].usage.cached_tokens)
         assert cached == [len(HISTORIES[0])] * len(prompts)
         assert second.metric("pdserve_kv_offload_hits_total", tier="shared") > 0
-        assert second.free_blocks() == second.metric("pdserve_kv_cache_num_blocks")
+        free, total = second.blocks_once_idle()
+        assert free == total
 
 
 def _ask(address: str, token_ids: list[int]) -> tuple[list[int], int]:
@@ -214,5 +217,6 @@ def test_prefill_worker_serves_a_transfer_from_blocks_it_loaded_back(tmp_path):
             assert after - pulled == 7  # all of it: decode had no copy
             for other in others:  # and out of the pools again
                 _ask(coordinator.grpc, other)
-        assert decode.free_blocks() == decode.metric("pdserve_kv_cache_num_blocks")
+        free, total = decode.blocks_once_idle()
+        assert free == total
         assert prefill.metric("pdserve_kv_offload_corrupt_total") == 0
