@@ -30,16 +30,33 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 # 25.5 us, 4096x14336 114 -> 70 us, 6144x4096 40.8 -> 29.9 us, prefill's 8192 rows within
 # 1-4%; the same bits at every depth. Wider layers (gate/up, the LM head) are best at 3.
 DEEP_PIPELINE_MAX_N, DEEP_STAGES, STAGES = 8192, 5, 3
-# Triton's interpreter multiplies bf16 tiles as raw integers: there the tiles are widened to
-# float32 first (exact); compiled kernels multiply bf16 on the tensor cores.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) `invariant_dot` does not call
+# tl.dot: see there.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def invariant_dot(a, b, acc, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ b in float32, each output element from its own row of `a` and column of
+    `b` alone: an element's bits never depend on the rows or columns beside it. Compiled,
+    that is tl.dot (tensor cores; exact float32 FMAs with `IEEE`). The interpreter's tl.dot
+    is numpy's BLAS, whose result for a row depends on where the row sits in the tile on some
+    CPUs (seen on AMD EPYC), and which multiplies bf16 tiles as raw integers: interpreted,
+    the products are widened to float32 (exact) and summed over K in order instead."""
+    if INTERPRETED:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif IEEE:  # constexpr branches, compiled away
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -60,18 +77,7 @@ def _linear_kernel(
             mask=(rn[None, :] < N) & (kk[:, None] < K),
             other=0.0,
         )
-        if WIDEN:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if INTERPRETED:
-            # The interpreter's tl.dot is numpy's BLAS, whose result for a row depends on
-            # where it sits in the tile on some CPUs (seen on AMD EPYC): sum the products
-            # over K in order instead, which no other row can change.
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-        elif IEEE:  # a constexpr branch, compiled away
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = invariant_dot(a, b, acc, IEEE, INTERPRETED)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -96,7 +102,7 @@ def linear(
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        WIDEN=_INTERPRETED and x.dtype != torch.float32, INTERPRETED=_INTERPRETED,
+        INTERPRETED=INTERPRETED,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_stages=DEEP_STAGES if n <= DEEP_PIPELINE_MAX_N else STAGES,
     )  # fmt: skip

@@ -284,7 +284,7 @@ def triton_interpreted() -> ModuleType:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file alone")
     from pdserve.kernels import triton_paged
 
-    if type(triton_paged._decode_kernel).__name__ != "InterpretedFunction":
+    if type(triton_paged._attention_kernel).__name__ != "InterpretedFunction":
         triton_paged = importlib.reload(triton_paged)
     return triton_paged
 
