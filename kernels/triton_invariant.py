@@ -3,10 +3,11 @@
 (`common/models/linear.py`, `kernels/fused_ops.py`, `kernels/moe.py`).
 
 cuBLAS and torch's reductions choose their kernels, tiles and split-K by shape, so a row's
-bits change with the batch. Here one configuration serves every M: a program computes one
-fixed BLOCK_M x BLOCK_N tile, walking K from 0 in BLOCK_K steps into one float32
-accumulator (no split-K, no atomics), rows past M masked to zero; M is not a specialisation
-key, so every M runs the same compiled kernel. RMSNorm is one program per row. Checked on
+bits change with the batch. Here a program computes one BLOCK_M x BLOCK_N tile, walking K
+from 0 in BLOCK_K steps into one float32 accumulator (no split-K, no atomics), rows past M
+masked to zero; M is not a specialisation key, so every M runs the same compiled kernel.
+Decode- and prefill-sized inputs may take other tiles where they were seen to give the same
+bits (see FEW_ROWS_TILE). RMSNorm is one program per row. Checked on
 the CPU under `TRITON_INTERPRET=1` against the naive references
 (tests/unit/test_triton_invariant.py).
 
@@ -15,21 +16,38 @@ interpreter is on)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.errors import TritonError
+
+logger = logging.getLogger(__name__)
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
-# Software-pipeline depth by layer shape (never by M, so invariance holds): a layer of at most
-# this many output columns has fewer column tiles than a large GPU has SMs, and at decode's
-# row counts each program must keep more weight loads in flight to stream at the memory's
-# rate. Measured on an H200 (benchmarks/gpu_linear_tiles.py), one row: 4096x4096 38.6 ->
-# 25.5 us, 4096x14336 114 -> 70 us, 6144x4096 40.8 -> 29.9 us, prefill's 8192 rows within
-# 1-4%; the same bits at every depth. Wider layers (gate/up, the LM head) are best at 3.
+# The base tile's software-pipeline depth by layer shape: a layer of at most this many output
+# columns has fewer column tiles than a large GPU has SMs, and each program must keep more
+# weight loads in flight to stream at the memory's rate. Measured on an H200
+# (benchmarks/gpu_linear_tiles.py), one row: 4096x4096 38.6 -> 25.5 us, 4096x14336 114 -> 70
+# us, 6144x4096 40.8 -> 29.9 us. Wider layers (gate/up, the LM head) are best at 3.
 DEEP_PIPELINE_MAX_N, DEEP_STAGES, STAGES = 8192, 5, 3
+
+# Other row counts run faster on other tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages):
+# decode batches on narrower column tiles with deeper pipelines (more programs streaming the
+# weights), prefill chunks on wider ones (the tensor cores fed). Every tile walks K in the
+# same BLOCK_K steps into one float32 accumulator, but whether the GPU's matrix instructions
+# for two tile shapes round alike is the hardware's business, so a tile serves a layer only
+# once `prepare` saw it give the base tile's very bits for that layer's shape on this device
+# (once per shape, when the layer is built; a tile that fails to compile or run there is not
+# used either). On an H200 every candidate of benchmarks/gpu_linear_tiles.py did.
+FEW_ROWS_MAX = 64  # decode batches of up to this many rows, on layers up to 8192 columns:
+FEW_ROWS_TILE = (64, 32, 4, 8)  # one row 4096x4096 25.5 -> 19.9 us, 4096x14336 70 -> 52
+WIDE_MIN_ROWS = 512  # prefill steps of at least this many rows:
+WIDE_TILE = (128, 128, 8, 3)  # 8192 rows at 520-586 TFLOP/s, 300-340 on the base tile
+_agrees: dict[tuple, bool] = {}  # (device, dtype, N, K, tile) -> same bits as the base tile
 # Under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) `invariant_dot` does not call
 # tl.dot: see there.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -87,26 +105,86 @@ def _linear_kernel(
     )
 
 
-def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, float32_out: bool = False
+def _launch(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    float32_out: bool,
+    tile: tuple[int, int, int, int] | None,
 ) -> Tensor:
-    """x [M, K] @ weight [N, K]ᵀ (+ bias) -> [M, N] in x's dtype (float32 with `float32_out`);
-    float32 inputs without TF32."""
+    """The kernel over x [M, K] on the base tile (`tile` None) or on `tile`."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=torch.float32 if float32_out else x.dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    if tile is None:
+        block_m, block_n, warps = BLOCK_M, BLOCK_N, 4
+        stages = DEEP_STAGES if n <= DEEP_PIPELINE_MAX_N else STAGES
+    else:
+        block_m, block_n, warps, stages = tile
+        if x.element_size() > 2:  # float32 tiles take twice the shared memory per stage
+            stages = min(stages, 4 if block_m * block_n <= 64 * 64 else 2)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         INTERPRETED=INTERPRETED,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_stages=DEEP_STAGES if n <= DEEP_PIPELINE_MAX_N else STAGES,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        num_stages=stages, num_warps=warps,
     )  # fmt: skip
     return y
+
+
+def _tile_for(m: int, n: int) -> tuple[str, tuple[int, int, int, int]] | None:
+    """The candidate tile for m rows of a layer of n columns, or None (the base tile)."""
+    if m >= WIDE_MIN_ROWS:
+        return "wide", WIDE_TILE
+    if m <= FEW_ROWS_MAX and n <= DEEP_PIPELINE_MAX_N:
+        return "few_rows", FEW_ROWS_TILE
+    return None
+
+
+def _key(weight: Tensor, tile: tuple[int, int, int, int]) -> tuple:
+    return (weight.device, weight.dtype, *weight.shape, tile)
+
+
+def prepare(weight: Tensor) -> dict[str, bool]:
+    """Which candidate tiles serve `weight`'s shape here: each decided once per shape by
+    comparing its float32 accumulators with the base tile's over random rows (the layer's
+    builder calls this; a shape never prepared runs the base tile alone)."""
+    n, k = weight.shape
+    found = {}
+    for rows in (FEW_ROWS_MAX, WIDE_MIN_ROWS):
+        candidate = _tile_for(rows, n)
+        if candidate is None:
+            continue
+        name, tile = candidate
+        key = _key(weight, tile)
+        if key not in _agrees:
+            gen = torch.Generator(device=weight.device).manual_seed(0)
+            x = torch.randn(rows, k, generator=gen, device=weight.device).to(weight.dtype)
+            try:
+                same = torch.equal(
+                    _launch(x, weight, None, True, tile), _launch(x, weight, None, True, None)
+                )
+            except (RuntimeError, TritonError) as e:  # e.g. out of shared memory
+                logger.warning("dense tile %s unavailable for %s: %s", tile, key[:4], e)
+                same = False
+            _agrees[key] = same
+        found[name] = _agrees[key]
+    return found
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, float32_out: bool = False
+) -> Tensor:
+    """x [M, K] @ weight [N, K]ᵀ (+ bias) -> [M, N] in x's dtype (float32 with `float32_out`);
+    float32 inputs without TF32."""
+    candidate = _tile_for(x.shape[0], weight.shape[0])
+    tile = candidate[1] if candidate and _agrees.get(_key(weight, candidate[1])) else None
+    return _launch(x, weight, bias, float32_out, tile)
 
 
 @triton.jit

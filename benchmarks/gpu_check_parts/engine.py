@@ -179,8 +179,14 @@ def determinism(folder: Path, device: str, dtype: str, new_tokens: int) -> dict[
         SamplingParams(max_tokens=3, seed=7),
     ]
     batch = cached.generate([prompts[3], prompts[2], prompts[1]], [noise[0], seeded, noise[1]])
+    # A step of more rows than the dense layers' wide tile starts at (a GPU's prefill
+    # tile, where it gives the narrow tile's bits) against each prompt prefilled alone.
+    long_prompts = random_prompts((200, 180, 150, 120), seed=24)
+    long_alone = [wide.generate([p], greedy)[0].token_ids for p in long_prompts]
+    long_together = [o.token_ids for o in wide.generate(long_prompts, greedy)]
     checks = {
         "batch": together == alone,
+        "a_650_row_prefill_step": long_together == long_alone,
         "chunking_and_mixed_batch": chunked == alone,
         "prefix_cache_hit": again.cached_tokens > 0 and again.token_ids == first.token_ids,
         "behind_a_cached_prefix": other == cold,
@@ -191,7 +197,19 @@ def determinism(folder: Path, device: str, dtype: str, new_tokens: int) -> dict[
     replays = graphs.replays if graphs is not None else 0
     if device.startswith("cuda"):  # graphs were captured and replayed
         checks["cuda_graphs_replayed"] = replays > 0 and eager.runner.decode_graphs is None
-    return {"ok": all(checks.values()), "dtype": dtype, "cuda_graph_replays": replays, **checks}
+    wide_tile = {}
+    if device.startswith("cuda"):
+        from pdserve.kernels import triton_invariant
+
+        agrees = list(triton_invariant._agrees.values())
+        wide_tile = {"row_count_tiles": f"{sum(agrees)} of {len(agrees)} (shape, tile) pairs"}
+    return {
+        "ok": all(checks.values()),
+        "dtype": dtype,
+        "cuda_graph_replays": replays,
+        **wide_tile,
+        **checks,
+    }
 
 
 def run(ctx: Context) -> dict[str, Any]:

@@ -155,12 +155,18 @@ def device_rates(device: str, tiny: bool, dtype: torch.dtype) -> dict[str, float
         w = torch.randn(nn, k, device=device).to(torch.bfloat16) * 0.02
         s = time_it(lambda: triton_invariant.linear(x, w), device, warmup=2, reps=5)
         out["invariant_linear_tflops_8192x28672x4096"] = 2 * m * k * nn / s / 1e12
+        wide = triton_invariant.prepare(w)["wide"]  # as the engine's layers get it
+        if wide:
+            s = time_it(lambda: triton_invariant.linear(x, w), device, warmup=2, reps=5)
+            out["invariant_linear_wide_tile_tflops_8192x28672x4096"] = 2 * m * k * nn / s / 1e12
+        out["invariant_linear_wide_tile_same_bits"] = wide
         s1 = time_it(lambda: triton_invariant.linear(x[:1], w), device, warmup=2, reps=10)
         out["invariant_linear_1_row_weight_gb_per_s"] = nn * k * 2 / s1 / 1e9
         # One row through each layer shape (decode at batch 1), beside cuBLAS.
         for n_out, k_in in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
             w = torch.randn(n_out, k_in, device=device).to(torch.bfloat16) * 0.02
             x1 = torch.randn(1, k_in, device=device).to(torch.bfloat16)
+            triton_invariant.prepare(w)  # the decode-row tile, as the engine layers get it
             ours = time_it(partial(triton_invariant.linear, x1, w), device, warmup=2, reps=20)
             theirs = time_it(partial(torch.nn.functional.linear, x1, w), device, 2, 20)
             out[f"row_{n_out}x{k_in}_us"] = ours * 1e6

@@ -12,7 +12,7 @@ comparisons): in bfloat16/float16 the weight reordered once into oneDNN's blocke
 in float32 `kernels/skinny_linear` for up to 16 rows and `F.linear` past that. oneDNN picks
 its kernel by the number of rows (with AMX, rows differ at the last bit between batch
 sizes), so that path is not batch-invariant. On cuda the dense layers are the Triton kernel
-of `kernels/triton_invariant.py` (one tile configuration for every M), or `F.linear` (cuBLAS)
+of `kernels/triton_invariant.py` (the same bits for a row at every M), or `F.linear` (cuBLAS)
 when invariance is turned off or triton is missing."""
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class Linear:
         # The invariant kernel's path ("amx", "avx512_bf16", "avx512", "avx2"), or None.
         self.path = invariant_gemm.path_for(weight)
         self.gpu = invariant_gemm.gpu_kernels(weight)  # cuda: the Triton kernel
+        if self.gpu is not None:
+            self.gpu.prepare(weight)  # may prefill rows use its wide tile here?
         if self.path is not None:
             self.packed = False
             self.weight = invariant_gemm.pack(weight)

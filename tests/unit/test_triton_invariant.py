@@ -59,6 +59,51 @@ def test_triton_linear_is_invariant_and_matches_the_reference(kernels, dtype, sh
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_count_tiles_serve_prepared_layers_only_with_the_base_tiles_bits(
+    kernels, dtype, monkeypatch
+):
+    monkeypatch.setattr(kernels, "WIDE_MIN_ROWS", 130)  # the interpreter is slow
+    monkeypatch.setattr(kernels, "_agrees", {})
+    tiles = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda *a: tiles.append(a[-1]) or launch(*a))
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(200, 64, generator=gen) / 8).to(dtype).to(DEVICE)
+    x = torch.randn(130, 64, generator=gen).to(dtype).to(DEVICE)
+
+    base = kernels.linear(x, weight)
+    assert tiles[-1] is None  # never prepared: the base tile at every M
+    assert kernels.linear(x[:3], weight).equal(base[:3]) and tiles[-1] is None
+    assert kernels.prepare(weight) == {"few_rows": True, "wide": True}
+    wide = kernels.linear(x, weight)
+    assert tiles[-1] == kernels.WIDE_TILE
+    assert torch.equal(wide, base)
+    for r in (0, 64, 129):  # one row: a decode batch's tile
+        assert torch.equal(kernels.linear(x[r : r + 1], weight), wide[r : r + 1])
+        assert tiles[-1] == kernels.FEW_ROWS_TILE
+    assert torch.equal(kernels.linear(x[:100], weight), base[:100])  # between: the base
+    assert tiles[-1] is None
+    # Where a tile was seen to differ (or failed to build), the layer keeps the base tile.
+    monkeypatch.setattr(kernels, "_agrees", dict.fromkeys(kernels._agrees, False))
+    assert torch.equal(kernels.linear(x, weight), base) and tiles[-1] is None
+    assert torch.equal(kernels.linear(x[:1], weight), base[:1]) and tiles[-1] is None
+
+
+def test_a_tile_that_fails_to_build_is_not_used(kernels, monkeypatch):
+    monkeypatch.setattr(kernels, "_agrees", {})
+    launch = kernels._launch
+
+    def no_wide_tile(*args):
+        if args[-1] == kernels.WIDE_TILE:
+            raise RuntimeError("out of shared memory")
+        return launch(*args)
+
+    monkeypatch.setattr(kernels, "_launch", no_wide_tile)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    assert kernels.prepare(weight) == {"few_rows": True, "wide": False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rms_norm_is_invariant_and_matches_torch(kernels, dtype):
     gen = torch.Generator().manual_seed(7)
     hidden = 96
