@@ -4,11 +4,12 @@ The model runner calls `decode_attention` and `prefill_attention` (through
 `pdserve.kernels.attention`) for every layer of every step; on cuda they land here when
 triton is installed (``PDSERVE_ATTENTION_BACKEND=triton`` forces it, e.g. on CPU tensors
 under ``TRITON_INTERPRET=1``). Both run one kernel, flash-attention style: a program takes a
-tile of query rows of one sequence and one kv head (`TILE_ROWS` rows: up to
-``TILE_ROWS // group`` tokens, each with the `group` query heads of that kv head), walks the
-sequence's keys `KEY_TILE` at a time straight from the cache blocks (gathered through the
-block table, so nothing is copied), and keeps an online float32 softmax; both products are
-`tl.dot`s (tensor cores for bf16 and fp16 caches, exact float32 FMAs for float32 ones).
+tile of query rows of one sequence and one kv head (`TILE_ROWS` rows, or the next power of
+two above the group: whole tokens, each with the `group` query heads of that kv head), walks
+the sequence's keys up to `KEY_TILE` at a time (fewer for wide float32 heads) straight from
+the cache blocks (gathered through the block table, so nothing is copied), and keeps an
+online float32 softmax; both products are `tl.dot`s (tensor cores for bf16 and fp16 caches,
+exact float32 FMAs for float32 ones).
 
 A decode step is a tile holding one token; a prefill chunk is cut into tiles of
 consecutive tokens. Each row is masked to its own causal context, and the key tiles a row
@@ -16,12 +17,16 @@ does not reach leave its running max, sum and accumulator exactly as they were (
 of exactly 1, a sum of exact zeros), so a token's output has the same bits whether it was
 decoded or sat at any row of any chunk, next to any batch (the determinism contract,
 docs/engine.md). That holds because the tile shape is the same for every call: it depends
-on the model's head layout alone, never on the batch or the chunk. `write_kv` is the torch
+on the model's head layout alone, never on the batch or the chunk. It assumes finite K/V: a
+row multiplies the V of later tokens in its tile by an exact zero, which an inf or NaN there
+(a model that already overflowed) would turn into NaN. `write_kv` is the torch
 backend's. Checked with the Triton interpreter (on CPU tensors) and, when one is lent, on a
 GPU (benchmarks/gpu_check).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -49,7 +54,9 @@ KEY_TILE_BYTES = 16384  # at most this much of K (and of V) per step: wide float
 if triton is not None:
     from pdserve.kernels.triton_invariant import INTERPRETED, invariant_dot
 
-    @triton.jit(do_not_specialize=["decode"])
+    # Neither the decode flag nor the block tables' width (it differs between decode, CUDA
+    # graphs and prefill) is specialised on: decode and prefill run one compiled kernel.
+    @triton.jit(do_not_specialize=["decode", "table_stride"])
     def _attention_kernel(
         q_ptr,
         kv_ptr,
@@ -97,7 +104,7 @@ if triton is not None:
         # Padding rows attend to key 0 only: finite, never stored.
         row_len = tl.where(real, last_len - tokens + 1 + token, 1)
         d = tl.arange(0, BLOCK_D)
-        q_offsets = (start + token)[:, None] * q_stride_t
+        q_offsets = (start + token).to(tl.int64)[:, None] * q_stride_t
         q_offsets += (kv_head * GROUP + r % GROUP)[:, None] * q_stride_h + d[None, :]
         q_mask = real[:, None] & (d < HEAD_DIM)[None, :]
         q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(kv_ptr.dtype.element_ty)
@@ -133,6 +140,8 @@ if triton is not None:
 
 def _tile_shape(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
     """(group, rows per tile) for the model's head layout; never for a batch or a chunk."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
     group = num_heads // num_kv_heads
     return group, max(TILE_ROWS, triton.next_power_of_2(group))
 
@@ -234,6 +243,19 @@ def prefill_tiles(
     return tuple(t.to(torch.int32) for t in tiles)  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=1)
+def _device_tiles(
+    query_start_loc: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    tokens_per_tile: int,
+    device: torch.device,
+) -> tuple[Tensor, ...]:
+    """`prefill_tiles` on the device, built and copied once per step (every layer of a
+    step asks for the same tiles)."""
+    stacked = torch.stack(prefill_tiles(list(query_start_loc), list(seq_lens), tokens_per_tile))
+    return tuple(stacked.to(device).unbind())
+
+
 def prefill_attention(
     query: Tensor,
     key: Tensor,
@@ -250,7 +272,8 @@ def prefill_attention(
     seq_lens[s] - q_len + i + 1."""
     del key, value  # read from the cache, like decode
     group, block_m = _tile_shape(query.shape[1], kv_cache.shape[4])
-    tiles = prefill_tiles(query_start_loc, seq_lens, block_m // group)
-    seq, starts, tokens, lens = (t.to(query.device) for t in tiles)
+    seq, starts, tokens, lens = _device_tiles(
+        tuple(query_start_loc), tuple(seq_lens), block_m // group, query.device
+    )
     tables = block_tables.to(device=query.device, dtype=torch.int32).contiguous()
     return _launch(query, kv_cache, layer, tables, lens, (seq, starts, tokens), scale)

@@ -67,7 +67,7 @@ class Linear:
         self.path = invariant_gemm.path_for(weight)
         self.gpu = invariant_gemm.gpu_kernels(weight)  # cuda: the Triton kernel
         if self.gpu is not None:
-            self.gpu.prepare(weight)  # may prefill rows use its wide tile here?
+            self.gpu.prepare(weight)  # which row-count tiles give its bits on this GPU
         if self.path is not None:
             self.packed = False
             self.weight = invariant_gemm.pack(weight)

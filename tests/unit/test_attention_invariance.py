@@ -123,3 +123,16 @@ def test_long_context_decode_is_never_split_by_the_batch(backend, dtype):
     rows = torch.cat([torch.randn(49, HEADS, HEAD_DIM, generator=gen).to(dtype), q[:1]])
     chunk = backend.prefill_attention(rows, None, None, cache, 0, [0, 50], [length], table, 0.125)
     assert torch.equal(chunk[-1:], alone)
+
+
+def test_prefill_tiles_cut_each_chunk_into_whole_tokens():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from pdserve.kernels.triton_paged import prefill_tiles
+
+    # Two chunks: 5 tokens of a fresh prompt, then 25 tokens after 15 cached ones.
+    seq, start, tokens, lens = prefill_tiles([0, 5, 30], [5, 40], 4)
+    assert seq.tolist() == [0, 0] + [1] * 7
+    assert start.tolist() == [0, 4, 5, 9, 13, 17, 21, 25, 29]
+    assert tokens.tolist() == [4, 1, 4, 4, 4, 4, 4, 4, 1]
+    assert lens.tolist() == [4, 5, 19, 23, 27, 31, 35, 39, 40]  # the last token's context
+    assert all(t.dtype == torch.int32 for t in (seq, start, tokens, lens))

@@ -90,17 +90,21 @@ def test_row_count_tiles_serve_prepared_layers_only_with_the_base_tiles_bits(
 
 
 def test_a_tile_that_fails_to_build_is_not_used(kernels, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
     monkeypatch.setattr(kernels, "_agrees", {})
     launch = kernels._launch
 
     def no_wide_tile(*args):
         if args[-1] == kernels.WIDE_TILE:
-            raise RuntimeError("out of shared memory")
+            raise OutOfResources(262144, 232448, "shared memory")
         return launch(*args)
 
     monkeypatch.setattr(kernels, "_launch", no_wide_tile)
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     assert kernels.prepare(weight) == {"few_rows": True, "wide": False}
+    x = torch.randn(600, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert torch.equal(kernels.linear(x, weight)[:2], kernels.linear(x[:2], weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
