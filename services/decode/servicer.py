@@ -114,6 +114,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         engine = loop.engine
         rid = request.request_id
         try:
+            lease_expires_s = request.kv_handle.lease_expires_at.ToNanoseconds() / 1e9
+        except ValueError as e:  # nanos outside [0, 1e9) or a year protobuf refuses
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"kv_handle.lease_expires_at: {e}"
+            )
+        try:
             # Before anything is held, and before any connection to the named address.
             await self.peers.admit(request.kv_handle.grpc_address)
         except UnknownPrefillWorker as e:
@@ -140,7 +146,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=_RETRY_SOON
                 )
             # Waiting for blocks past the prefill lease would only pull from nothing.
-            lease_left = request.kv_handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
+            lease_left = lease_expires_s - time.time()
             try:
                 num_cached = await asyncio.wait_for(
                     asyncio.shield(asyncio.wrap_future(admitted)), max(0.0, lease_left - 1.0)
