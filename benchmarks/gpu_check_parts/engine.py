@@ -197,17 +197,17 @@ def determinism(folder: Path, device: str, dtype: str, new_tokens: int) -> dict[
     replays = graphs.replays if graphs is not None else 0
     if device.startswith("cuda"):  # graphs were captured and replayed
         checks["cuda_graphs_replayed"] = replays > 0 and eager.runner.decode_graphs is None
-    wide_tile = {}
+    tiles = {}
     if device.startswith("cuda"):
         from pdserve.kernels import triton_invariant
 
         agrees = list(triton_invariant._agrees.values())
-        wide_tile = {"row_count_tiles": f"{sum(agrees)} of {len(agrees)} (shape, tile) pairs"}
+        tiles = {"row_count_tiles": f"{sum(agrees)} of {len(agrees)} (shape, tile) pairs"}
     return {
         "ok": all(checks.values()),
         "dtype": dtype,
         "cuda_graph_replays": replays,
-        **wide_tile,
+        **tiles,
         **checks,
     }
 

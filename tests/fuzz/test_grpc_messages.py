@@ -548,29 +548,40 @@ def test_transfer_to_a_malformed_address_is_invalid_argument(
     assert kept, "the refused transfer took the lease with it"
 
 
-def test_decode_of_an_unknown_lease_is_not_unavailable(fresh_cluster: Cluster) -> None:
-    """Found: a Decode of a real KV handle whose lease_id the prefill worker does not hold
-    was answered UNAVAILABLE ("KV pull ... failed: NOT_FOUND: lease_id ..."), which callers
-    read as 'this worker is down'."""
-    fresh_cluster.start_all(ALL_SERVICES)
+def _decode_with_altered_handle(
+    cluster: Cluster, request_id: str, alter: Callable[[kv_pb2.KvHandle], None]
+) -> tuple[grpc.StatusCode, str]:
+    """A Decode of a real prefilled lease's handle, changed by `alter`: its status."""
+    cluster.start_all(ALL_SERVICES)
     [decode] = [t for t in TARGETS if t.name == "decode.Decode"]
-    caller = Caller(fresh_cluster, decode)
+    caller = Caller(cluster, decode)
     try:
         real = caller.prefill()
         assert real is not None
         handle = kv_pb2.KvHandle()
         handle.CopyFrom(real.kv_handle)
-        handle.lease_id = "no-such-lease"
+        alter(handle)
         request = decode_pb2.DecodeRequest(
-            request_id="fuzz-unknown-lease",
+            request_id=request_id,
             prompt_token_ids=caller.prompt,
             first_token_id=real.first_token_id,
             sampling=generate_pb2.SamplingParams(max_tokens=2, temperature=0),
             kv_handle=handle,
         )
-        code, details = caller.call(request.SerializeToString())
+        return caller.call(request.SerializeToString())
     finally:
         caller.close()
+
+
+def test_decode_of_an_unknown_lease_is_not_unavailable(fresh_cluster: Cluster) -> None:
+    """Found: a Decode of a real KV handle whose lease_id the prefill worker does not hold
+    was answered UNAVAILABLE ("KV pull ... failed: NOT_FOUND: lease_id ..."), which callers
+    read as 'this worker is down'."""
+
+    def unknown_lease(handle: kv_pb2.KvHandle) -> None:
+        handle.lease_id = "no-such-lease"
+
+    code, details = _decode_with_altered_handle(fresh_cluster, "fuzz-unknown-lease", unknown_lease)
     assert code in FINE, f"{code.name}: {details}"
 
 
@@ -581,24 +592,12 @@ def test_decode_of_an_invalid_lease_timestamp_is_invalid_argument(
     """Found by the 10^5 run (2026-12-04, 5 of 10,968 typed Decode cases): a KV handle whose
     lease_expires_at had nanos outside [0, 1e9) made protobuf raise ValueError in the decode
     servicer: UNKNOWN. It is now INVALID_ARGUMENT naming the field, before anything is held."""
-    fresh_cluster.start_all(ALL_SERVICES)
-    [decode] = [t for t in TARGETS if t.name == "decode.Decode"]
-    caller = Caller(fresh_cluster, decode)
-    try:
-        real = caller.prefill()
-        assert real is not None
-        handle = kv_pb2.KvHandle()
-        handle.CopyFrom(real.kv_handle)
+
+    def bad_timestamp(handle: kv_pb2.KvHandle) -> None:
         handle.lease_expires_at.nanos = nanos
-        request = decode_pb2.DecodeRequest(
-            request_id=f"fuzz-bad-timestamp-{nanos}",
-            prompt_token_ids=caller.prompt,
-            first_token_id=real.first_token_id,
-            sampling=generate_pb2.SamplingParams(max_tokens=2, temperature=0),
-            kv_handle=handle,
-        )
-        code, details = caller.call(request.SerializeToString())
-    finally:
-        caller.close()
+
+    code, details = _decode_with_altered_handle(
+        fresh_cluster, f"fuzz-bad-timestamp-{nanos}", bad_timestamp
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code.name}: {details}"
     assert "kv_handle.lease_expires_at" in details
