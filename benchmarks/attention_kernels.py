@@ -7,7 +7,8 @@ backend that serves cpu tensors (the reference is far too slow to matter). Decod
 both cycling through all 30 layers (what a real step does: K/V come from DRAM) and on one
 layer again and again (cache-warm, closer to the kernels' compute cost).
 
-Run: ``.venv/bin/python benchmarks/attention_kernels.py`` (``--quick``: fewer repetitions).
+Run: ``.venv/bin/python benchmarks/attention_kernels.py`` (``--quick``: fewer repetitions;
+``--dtype float32``: the cache dtype of hosts without native bf16).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pdserve.kernels import cpu_extension, torch_paged
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 POOL_BLOCKS = 4096
-DTYPE = torch.bfloat16
 LAYER = 17
 
 
@@ -75,7 +75,7 @@ def bench_decode(
     DRAM); otherwise the same layer again (cache-warm)."""
     lens = torch.randint(context[0], context[1] + 1, (batch,), generator=gen, dtype=torch.int32)
     tables = make_tables(lens.tolist(), gen)
-    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(kv.dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * kv.element_size()
     result: dict = {
@@ -116,9 +116,9 @@ def bench_prefill(kv: torch.Tensor, gen: torch.Generator, repeat: int, prefix: i
     tables = make_tables(lens, gen)
     starts = [s * chunk for s in range(seqs + 1)]
     total = chunk * seqs
-    query = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(DTYPE)
-    key = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
-    value = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    query = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(kv.dtype)
+    key = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(kv.dtype)
+    value = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(kv.dtype)
     slots = torch.cat(
         [
             tables[s, torch.arange(prefix, prefix + chunk) // BLOCK].long() * BLOCK
@@ -144,8 +144,8 @@ def bench_prefill(kv: torch.Tensor, gen: torch.Generator, repeat: int, prefix: i
 
 def bench_write(kv: torch.Tensor, gen: torch.Generator, repeat: int, tokens: int) -> dict:
     slots = torch.randperm(POOL_BLOCKS * BLOCK, generator=gen)[:tokens]
-    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
-    value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(kv.dtype)
+    value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(kv.dtype)
     result: dict = {"tokens": tokens}
     for name, mod in backends().items():
         us = timed(lambda m=mod: m.write_kv(kv, LAYER, key, value, slots), repeat)
@@ -157,12 +157,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the cache's dtype"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeat = 10 if args.quick else 50
     gen = torch.Generator().manual_seed(0)
-    # The pool spans all layers (1.5 GB), every one filled (copies of one random layer).
-    kv = torch.empty(POOL_BLOCKS, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    # The pool spans all layers (1.5 GB in bf16), every one filled (copies of one random layer).
+    kv = torch.empty(
+        POOL_BLOCKS, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, dtype=getattr(torch, args.dtype)
+    )
     kv[:, :1].normal_(generator=gen)
     kv[:, 1:] = kv[:, :1]
     report = {
@@ -173,7 +178,7 @@ def main() -> None:
             "head_dim": HEAD_DIM,
             "block_size": BLOCK,
             "pool_blocks": POOL_BLOCKS,
-            "dtype": str(DTYPE),
+            "dtype": str(kv.dtype),
             "threads": torch.get_num_threads(),
         },
         "decode_b64_all_layers": bench_decode(kv, gen, repeat, 64, rotate=True),

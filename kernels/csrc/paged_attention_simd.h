@@ -3,8 +3,9 @@
 // Scores of a few query vectors against consecutive cache rows (pass 1), the softmax, and
 // the weighted sum of value rows (pass 2), for float32/bfloat16/float16 rows of head_dim =
 // 16 * NC. AVX-512 widens bf16/fp16 to fp32; with AVX512-BF16 the bf16 cache is multiplied
-// as bf16 pairs with fp32 accumulation (the pass-2 weights are then rounded to bf16). A
-// scalar path covers other CPUs and head sizes.
+// as bf16 pairs with fp32 accumulation (the pass-2 weights are then rounded to bf16). A build
+// for AVX2 without AVX-512 takes the 8-lane kernels of paged_attention_avx2.h (head_dim a
+// multiple of 8). A scalar path covers other CPUs and head sizes.
 
 #pragma once
 
@@ -20,6 +21,9 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_ATTENTION_AVX2 1
+#include "paged_attention_avx2.h"
 #endif
 
 namespace pdserve_attention {
@@ -269,6 +273,15 @@ inline float softmax_row(float* s, int len, int end, float scale, float* max_out
   for (; j + 16 <= len; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
   m = _mm512_reduce_max_ps(vm);
 #endif
+#if defined(PDSERVE_ATTENTION_AVX2)
+  alignas(32) float lanes[8];
+  if (len >= 8) {
+    __m256 vm = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= len; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+    _mm256_store_ps(lanes, vm);
+    for (float x : lanes) m = std::max(m, x);
+  }
+#endif
   for (; j < len; ++j) m = std::max(m, s[j]);
   j = 0;
 #if defined(__AVX512F__)
@@ -280,6 +293,16 @@ inline float softmax_row(float* s, int len, int end, float scale, float* max_out
     vs = _mm512_add_ps(vs, e);
   }
   sum = _mm512_reduce_add_ps(vs);
+#elif defined(PDSERVE_ATTENTION_AVX2)
+  const __m256 vsc = _mm256_set1_ps(scale), vmax = _mm256_set1_ps(m);
+  __m256 vs = _mm256_setzero_ps();
+  for (; j + 8 <= len; j += 8) {
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax), vsc));
+    _mm256_storeu_ps(s + j, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  _mm256_store_ps(lanes, vs);
+  for (float x : lanes) sum += x;  // in lane order: the same bits for the same row
 #endif
   for (; j < len; ++j) {
     s[j] = std::exp((s[j] - m) * scale);
@@ -321,6 +344,7 @@ template <typename T>
 struct Kernels {
   int nc = 0;             // head_dim / 16 on the AVX-512 path, 0 for the scalar path
   bool bf16_dot = false;  // bf16 with AVX512-BF16: dot products on raw bf16 in both passes
+  bool avx2 = false;      // the 8-lane kernels (an AVX2 build, head_dim a multiple of 8)
 
 #if defined(__AVX512BF16__)
   static constexpr bool kDot = std::is_same_v<T, c10::BFloat16>;
@@ -334,6 +358,8 @@ struct Kernels {
     if (head_dim % 16 == 0 && (c == 2 || c == 4 || c == 6 || c == 8 || c == 16))
       nc = static_cast<int>(c);
     bf16_dot = kDot && nc > 0;
+#elif defined(PDSERVE_ATTENTION_AVX2)
+    avx2 = head_dim % 8 == 0;
 #else
     (void)head_dim;
 #endif
@@ -356,6 +382,8 @@ struct Kernels {
       });
       return;
     }
+#elif defined(PDSERVE_ATTENTION_AVX2)
+    if (avx2) return qk_avx2<T>(qf, nq, D, k, ks, n, s, ld);
 #endif
     (void)qraw;
     qk_scalar<T>(qf, nq, D, k, ks, n, s, ld);
@@ -384,6 +412,8 @@ struct Kernels {
       });
       return;
     }
+#elif defined(PDSERVE_ATTENTION_AVX2)
+    if (avx2) return pv_avx2<T>(p, ld, nq, D, v, vs, n, acc);
 #endif
     (void)pb;
     pv_scalar<T>(p, ld, nq, D, v, vs, n, acc);

@@ -1,5 +1,6 @@
 """The determinism contract on every CPU class this host can stand in for: each test runs the
-op-level invariance tests and the end-to-end greedy test again in its own process, with
+op-level invariance tests, the kernels against their references and the end-to-end greedy
+test again in its own process, with
 oneDNN (and with it pdserve's GEMM path choice) capped by ONEDNN_MAX_CPU_ISA and the C++
 kernels compiled for that class (PDSERVE_CPU_ARCH), and checks which GEMM path it took.
 A cap above the host's own class is skipped: that class is covered on such a host."""
@@ -18,8 +19,8 @@ from pdserve.kernels import invariant_gemm
 
 ROOT = Path(__file__).resolve().parents[2]
 # cap -> (the bf16 GEMM path it must give, the -march the kernels are built for). The
-# attention kernels differ by AVX-512 and AVX512-BF16 only, so a host that has AVX512-BF16
-# builds the two top classes natively (one build fewer).
+# attention kernels differ by AVX2, AVX-512 and AVX512-BF16 only, so a host that has
+# AVX512-BF16 builds the two top classes natively (one build fewer).
 CLASSES = {
     "AVX2": ("avx2", "haswell"),
     "AVX512_CORE": ("avx512", "skylake-avx512"),
@@ -29,6 +30,7 @@ CLASSES = {
 TESTS = [
     "tests/unit/test_batch_invariance.py",
     "tests/unit/test_attention_invariance.py",
+    "tests/unit/test_kernels.py",
     "tests/integration/test_determinism.py::test_greedy_ids_do_not_depend_on_batch_or_chunking[auto]",
 ]
 

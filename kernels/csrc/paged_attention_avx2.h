@@ -1,0 +1,136 @@
+// pdserve CPU paged attention, the AVX2 building blocks (included by paged_attention_simd.h
+// when the build targets AVX2 + FMA + F16C without AVX-512, i.e. the `avx2` host class).
+//
+// The same arithmetic as the AVX-512 kernels at 8 float lanes: a key's score is one FMA chain
+// per lane over the head's 8-float chunks, then a fixed transpose-and-add tree over the 8
+// lanes; a value row is added into each output element with one FMA in token order. So a
+// key's score never depends on how many keys one call scores (a short group goes through the
+// same tree with zero vectors for the absent keys), and an output element's sum never depends
+// on how many query rows or columns one call carries: decode and prefill chunks agree bit for
+// bit. bf16/fp16 caches are widened exactly to float32.
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace pdserve_attention {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// exp(x) for x <= 0 (softmax arguments), relative error ~1e-7: the AVX-512 kernel's
+// polynomial, with 2^n built in the exponent field (n >= -126 after the clamp: a normal).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Lane i of the result = sum of the 8 lanes of v[i] (pairwise hadds, then the two halves).
+inline __m256 sum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = [v0..v3 low-half sums | v0..v3 high-half sums], u1 the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The scores of one query (float, D a multiple of 8) against up to 8 keys kstride apart, as
+// the lanes of the result. With rem < 8 keys, the absent lanes re-read the last key and are
+// never stored: a lane's sum involves only its own key, so the present lanes' bits are those
+// of a full group.
+template <typename T>
+inline __m256 scores8(const float* q, int D, const T* k, int64_t kstride, int rem) {
+  int64_t off[8];
+  for (int u = 0; u < 8; ++u) off[u] = (u < rem ? u : rem - 1) * kstride;
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k + off[u] + c), acc[u]);
+  }
+  return sum8x8(acc);
+}
+
+// s[q * ld + t] = q_q . k_t for nq query vectors (float, D apart) and n keys kstride apart.
+template <typename T>
+inline void qk_avx2(const float* qf, int nq, int D, const T* k, int64_t kstride, int n, float* s,
+                    int64_t ld) {
+  for (int t = 0; t < n; t += 8, k += 8 * kstride) {
+    const int rem = n - t < 8 ? n - t : 8;
+    for (int q = 0; q < nq; ++q) {
+      const __m256 sums = scores8(qf + q * D, D, k, kstride, rem);
+      if (rem == 8) {
+        _mm256_storeu_ps(s + q * ld + t, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        for (int u = 0; u < rem; ++u) s[q * ld + t + u] = tmp[u];
+      }
+    }
+  }
+}
+
+// acc[q * D + c0 ...] += sum_t p[q][t] * v_t[c0 ...] over NC 8-float chunks from column c0,
+// for NQ queries (accumulators in registers across the n tokens).
+template <typename T, int NQ, int NC>
+inline void pv_avx2_cols(const float* p, int64_t ld, const T* v, int64_t vstride, int n,
+                         float* acc, int D, int c0) {
+  __m256 a[NQ][NC];
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < NC; ++c) a[q][c] = _mm256_loadu_ps(acc + q * D + c0 + 8 * c);
+  for (int t = 0; t < n; ++t, v += vstride) {
+    __m256 w[NQ];
+    for (int q = 0; q < NQ; ++q) w[q] = _mm256_set1_ps(p[q * ld + t]);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 vf = load8(v + c0 + 8 * c);
+      for (int q = 0; q < NQ; ++q) a[q][c] = _mm256_fmadd_ps(w[q], vf, a[q][c]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + q * D + c0 + 8 * c, a[q][c]);
+}
+
+// acc[q] += sum_t p[q][t] * v_t for nq queries, D a multiple of 8: two queries by four chunks
+// at a time (8 accumulators + 2 weights + 1 value: within AVX2's 16 registers).
+template <typename T>
+inline void pv_avx2(const float* p, int64_t ld, int nq, int D, const T* v, int64_t vstride, int n,
+                    float* acc) {
+  for (int q0 = 0; q0 < nq; q0 += 2) {
+    const float* pq = p + q0 * ld;
+    float* aq = acc + q0 * D;
+    int c0 = 0;
+    if (nq - q0 >= 2) {
+      for (; c0 + 32 <= D; c0 += 32) pv_avx2_cols<T, 2, 4>(pq, ld, v, vstride, n, aq, D, c0);
+      for (; c0 < D; c0 += 8) pv_avx2_cols<T, 2, 1>(pq, ld, v, vstride, n, aq, D, c0);
+    } else {
+      for (; c0 + 32 <= D; c0 += 32) pv_avx2_cols<T, 1, 4>(pq, ld, v, vstride, n, aq, D, c0);
+      for (; c0 < D; c0 += 8) pv_avx2_cols<T, 1, 1>(pq, ld, v, vstride, n, aq, D, c0);
+    }
+  }
+}
+
+}  // namespace pdserve_attention
