@@ -343,7 +343,12 @@ AVX512_TARGET void fma_rows_avx512(const Problem& pr, const float* x, const W* w
                                    T* y, int64_t m0, int64_t m1, int64_t b0) {
   int64_t r = m0;
   for (; r + 4 <= m1; r += 4) fma_tile_avx512<T, W, 4, NB>(pr, x, w, bstride, y, r, b0);
-  for (; r < m1; ++r) fma_tile_avx512<T, W, 1, NB>(pr, x, w, bstride, y, r, b0);
+  switch (m1 - r) {  // the last 1-3 rows as one tile (see gemm_fma_avx2)
+    case 3: fma_tile_avx512<T, W, 3, NB>(pr, x, w, bstride, y, r, b0); break;
+    case 2: fma_tile_avx512<T, W, 2, NB>(pr, x, w, bstride, y, r, b0); break;
+    case 1: fma_tile_avx512<T, W, 1, NB>(pr, x, w, bstride, y, r, b0); break;
+    default: break;
+  }
 }
 
 template <typename T, typename W>
@@ -382,7 +387,16 @@ AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T*
   for_units(pr, 1, [&](int64_t m0, int64_t m1, int64_t b0, int64_t) {
     int64_t r = m0;
     for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b0);
-    for (; r < m1; ++r) fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b0);
+    // The last 1-5 rows as one tile: one pass over the block's weights with independent
+    // FMA chains per row (row by row, each pass waits on one chain's latency).
+    switch (m1 - r) {
+      case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b0); break;
+      case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b0); break;
+      case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b0); break;
+      case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b0); break;
+      case 1: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b0); break;
+      default: break;
+    }
   });
 }
 
