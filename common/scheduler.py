@@ -19,6 +19,7 @@ cost allows (`StepPlan`): prompt chunks shrink while streams run and grow when n
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.request import Request, RequestStatus
 from pdserve.common.step_cost import StepCostModel, StepPlan, attention_pairs
+
+logger = logging.getLogger(__name__)
+TARGET_WARNING_INTERVAL_S = 60.0  # an unmeetable TPOT target is logged at most this often
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.step_cost = step_cost or StepCostModel()
         self.tpot_target_s = tpot_target_s
+        self._next_target_warning = 0.0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -165,10 +170,15 @@ class Scheduler:
             r for r in self.running if r.num_tokens - r.num_computed_tokens == 1
         ]  # fmt: skip
         attention = sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes)
-        return StepPlan(
+        plan = StepPlan(
             self.step_cost, self.tpot_target_s, len(decodes), attention,
             min_chunk=self.kv_cache.block_size, warmup_chunk=8 * self.kv_cache.block_size,
         )  # fmt: skip
+        unmet = plan.unmet_target() if len(decodes) < len(self.running) or self.waiting else None
+        if unmet is not None and time.monotonic() >= self._next_target_warning:
+            self._next_target_warning = time.monotonic() + TARGET_WARNING_INTERVAL_S
+            logger.warning(unmet)
+        return plan
 
     def prefill_wait_s(self, request: Request) -> float | None:
         """Predicted seconds until `request`, queued now, has its first token: the prompts

@@ -125,12 +125,28 @@ class StepPlan:
         self.first_chunk = True
         self.room_s = math.inf
         self.warmup_left: int | None = None  # prompt tokens left while unmeasured
+        self.target_s = target_s
+        self.decode_s: float | None = None  # the decodes' predicted seconds alone
         if target_s > 0 and decodes > 0:
             used = model.predict(decodes, 0, decode_attention)
+            self.decode_s = used
             if used is None or not model.prefill_measured:
                 self.warmup_left = warmup_chunk
             else:
                 self.room_s = target_s - used
+
+    def unmet_target(self) -> str | None:
+        """Why this step cannot meet the TPOT target (the decodes alone are predicted past
+        it, so prefill gets only its minimum chunk a step and first tokens wait), or None."""
+        if self.decode_s is None or self.decode_s <= self.target_s:
+            return None
+        return (
+            f"decode steps alone are predicted at {self.decode_s * 1e3:.0f} ms, past the "
+            f"TPOT target (--tpot-target-ms {self.target_s * 1e3:g}): prompts get "
+            f"{self.min_chunk} tokens a step, so first tokens wait and the TTFT target "
+            "refuses early; raise the target to the SLO this host can meet, or add decode "
+            "capacity"
+        )
 
     def prefill_tokens(self, start: int, wanted: int) -> int:
         """How many of `wanted` prompt tokens from position `start` this step takes; the

@@ -2,10 +2,12 @@
 function): a prompt whose first token is predicted past `--ttft-target-ms` is refused
 before it holds anything, and a decode worker admits a stream only while a step with it
 stays within the TPOT target. The prediction of the queue ahead is checked against the
-steps the scheduler's own plan would run."""
+steps the scheduler's own plan would run. A TPOT target that the decodes alone miss is
+named in a warning while prompts wait."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -208,4 +210,42 @@ def test_a_target_no_batch_meets_leaves_decode_batches_to_their_slots(tiny_model
     assert all(admission.submit(r).done() for r in requests)
     for r in requests:
         admission.withdraw(r)
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+def test_a_target_the_decodes_alone_miss_gives_prompts_their_minimum_chunk():
+    model = StepCostModel()
+    record(model, prefill_steps=16, decode_steps=16)
+    attention = 4 * attention_pairs(300, 1)
+    decode_s = true_cost(4, 0, attention)
+    missed = StepPlan(model, decode_s / 2, 4, attention, min_chunk=16, warmup_chunk=0)
+    assert missed.prefill_tokens(0, 500) == 16 and missed.prefill_tokens(0, 500) == 0
+    reason = missed.unmet_target()
+    assert reason is not None and f"{decode_s * 1e3:.0f} ms" in reason
+    assert "--tpot-target-ms" in reason and "16 tokens a step" in reason
+    met = StepPlan(model, decode_s * 2, 4, attention, min_chunk=16, warmup_chunk=0)
+    assert met.unmet_target() is None and met.prefill_tokens(0, 500) > 16
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_the_scheduler_names_an_unmet_tpot_target_while_prompts_wait(tiny_model_dir, caplog):
+    engine = _engine(tiny_model_dir)
+    streams = [
+        engine.new_prefilled_request(list(range(200 + 100 * i, 240 + 100 * i)), 5, GREEDY, f"d{i}")
+        for i in range(2)
+    ]
+    for r in streams:
+        assert engine.reserve_prefilled(r) is not None
+        engine.start_prefilled(r)  # two streams decoding, as a pull leaves them
+    engine.scheduler.tpot_target_s = true_cost(2, 0, 2 * attention_pairs(40, 1)) / 2
+    with caplog.at_level(logging.WARNING, logger="pdserve.common.scheduler"):
+        engine.scheduler.schedule()  # only decodes: nothing waits on the target
+        assert not caplog.records
+        engine.add_request(_prompt(0), GREEDY, "waiting")
+        batch = engine.scheduler.schedule()
+        engine.scheduler.schedule()  # logged once a minute, not every step
+    assert len(caplog.records) == 1 and "past the TPOT target" in caplog.records[0].message
+    assert batch.num_new_tokens[batch.num_decodes :] == [engine.kv_cache.block_size]
+    for request_id in ("d0", "d1", "waiting"):
+        engine.abort_request(request_id)
     assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
