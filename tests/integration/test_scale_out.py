@@ -191,6 +191,10 @@ def conversation_hit_rate(cluster, policy: str, tag: str) -> tuple[float, list[l
                     turns[i].append((usage.prompt_tokens, usage.cached_tokens))
                     reply = "".join(r.text for r in responses)
                     messages.append(generate_pb2.ChatMessage(role="assistant", content=reply))
+                    # The prefill worker's report of the blocks it stored reaches the
+                    # coordinator within its status interval, later when its one thread is
+                    # in another prompt's step; a user's next turn comes after reading.
+                    time.sleep(0.5)
 
         def client(first: int) -> None:
             chat(first)
