@@ -174,10 +174,13 @@ class Scheduler:
             self.step_cost, self.tpot_target_s, len(decodes), attention,
             min_chunk=self.kv_cache.block_size, warmup_chunk=8 * self.kv_cache.block_size,
         )  # fmt: skip
-        unmet = plan.unmet_target() if len(decodes) < len(self.running) or self.waiting else None
-        if unmet is not None and time.monotonic() >= self._next_target_warning:
-            self._next_target_warning = time.monotonic() + TARGET_WARNING_INTERVAL_S
-            logger.warning(unmet)
+        now = time.monotonic()
+        prompts_wait = bool(self.waiting) or len(decodes) < len(self.running)
+        if prompts_wait and now >= self._next_target_warning:
+            unmet = plan.unmet_target()
+            if unmet is not None:
+                self._next_target_warning = now + TARGET_WARNING_INTERVAL_S
+                logger.warning(unmet)
         return plan
 
     def prefill_wait_s(self, request: Request) -> float | None:

@@ -4,10 +4,11 @@
 // The same arithmetic as the AVX-512 kernels at 8 float lanes: a key's score is one FMA chain
 // per lane over the head's 8-float chunks, then a fixed transpose-and-add tree over the 8
 // lanes; a value row is added into each output element with one FMA in token order. So a
-// key's score never depends on how many keys one call scores (a short group goes through the
-// same tree with zero vectors for the absent keys), and an output element's sum never depends
-// on how many query rows or columns one call carries: decode and prefill chunks agree bit for
-// bit. bf16/fp16 caches are widened exactly to float32.
+// key's score never depends on how many keys one call scores (in a short group the absent
+// lanes are computed from a present key and never stored), and an output element's sum never
+// depends on how many query rows or columns one call carries: decode and prefill chunks agree
+// bit for bit. bf16/fp16 caches are widened exactly to float32. The softmax exp (exp8) is the
+// AVX-512 kernel's exp16 at half the width, the same coefficients.
 
 #pragma once
 
