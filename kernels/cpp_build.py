@@ -15,7 +15,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -79,8 +79,11 @@ def _build_guard(directory: Path) -> Iterator[None]:
             fcntl.flock(guard, fcntl.LOCK_UN)
 
 
-def load_extension(name: str, sources: list[Path], verbose: bool = False) -> ModuleType | None:
-    """The compiled extension `name` (built on first use), or None if it cannot be built."""
+def load_extension(
+    name: str, sources: list[Path], verbose: bool = False, extra_cflags: Sequence[str] = ()
+) -> ModuleType | None:
+    """The compiled extension `name` (built on first use), or None if it cannot be built.
+    `extra_cflags` follow the common flags (`cflags()`)."""
     if name in _loaded:
         return _loaded[name]
     with _lock:
@@ -95,7 +98,7 @@ def load_extension(name: str, sources: list[Path], verbose: bool = False) -> Mod
                     module = cpp_extension.load(
                         name=name,
                         sources=[str(s) for s in sources],
-                        extra_cflags=cflags(),
+                        extra_cflags=[*cflags(), *extra_cflags],
                         extra_ldflags=["-fopenmp"],
                         build_directory=str(directory),
                         verbose=verbose,
@@ -107,9 +110,9 @@ def load_extension(name: str, sources: list[Path], verbose: bool = False) -> Mod
     return _loaded[name]
 
 
-def build_main(name: str, sources: list[Path]) -> int:
+def build_main(name: str, sources: list[Path], extra_cflags: Sequence[str] = ()) -> int:
     """`python -m pdserve.kernels.<module>`: build ahead of time (the Makefile's install)."""
     logging.basicConfig(level=logging.INFO)
-    ok = load_extension(name, sources, verbose="-v" in sys.argv) is not None
+    ok = load_extension(name, sources, "-v" in sys.argv, extra_cflags) is not None
     print(f"{name}: built in {build_dir(name)}" if ok else f"{name}: build FAILED")
     return 0 if ok else 1

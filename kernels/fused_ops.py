@@ -3,9 +3,10 @@ embedding (rotate-half form) and SiLU-and-multiply, in the reference model's ord
 rounding.
 
 The model runner calls these for every layer of every step. On CPU the C++ extension
-(`csrc/fused_ops.cpp`) serves rotary in bfloat16/float16, and residual add + RMSNorm and
-SiLU-and-multiply in bfloat16 (one pass each); everything else, and float32 (where the
-engine must match the reference model exactly), uses torch's own kernels.
+(`csrc/fused_ops.cpp`) serves rotary in every dtype (bit for bit torch's formulation in
+float32), and residual add + RMSNorm and SiLU-and-multiply in float32 (AVX2 + FMA: every host
+class; one pass each, a fixed reduction order, so the same bits on every host) and in
+bfloat16 (AVX-512 BF16 builds); everything else uses torch's own kernels.
 `PDSERVE_FUSED_OPS=0` forces the torch path. On cuda RMSNorm (with the residual add) is
 the Triton kernel of `kernels/triton_invariant.py` (one program per row: batch-invariant)."""
 
@@ -24,29 +25,36 @@ from pdserve.kernels.cpp_build import build_main, load_extension
 
 EXTENSION_NAME = "pdserve_fused_ops"
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+# A product is rounded before it is added (torch's rotary bits in float32): the compiler may
+# not fuse a multiply and an add into one FMA behind the source's back.
+CFLAGS = ["-ffp-contract=off"]
 
 
 def load(verbose: bool = False) -> ModuleType | None:
-    return load_extension(EXTENSION_NAME, [SOURCE], verbose)
+    return load_extension(EXTENSION_NAME, [SOURCE], verbose, CFLAGS)
 
 
 def extension_for(x: torch.Tensor) -> ModuleType | None:
-    """The C++ ops when they serve `x` (CPU, 16-bit float), else None (torch path)."""
+    """The C++ ops when they serve `x` (CPU, float32 or 16-bit float), else None (torch)."""
     if (
         x.device.type != "cpu"
-        or x.dtype not in (torch.bfloat16, torch.float16)
+        or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
         or os.environ.get("PDSERVE_FUSED_OPS", "1") == "0"
     ):
         return None
     return load()
 
 
-def _fast_bf16(x: torch.Tensor, multiple: int) -> ModuleType | None:
-    """The C++ ops when their bf16 path (AVX-512 BF16 builds) serves `x`: bfloat16 rows
-    whose width is a multiple of `multiple`; else None."""
+def _fast(x: torch.Tensor, multiple: int) -> ModuleType | None:
+    """The C++ add + RMSNorm and SiLU-and-multiply when they serve `x`: float32 (AVX2 + FMA)
+    or bfloat16 (AVX-512 BF16 builds) rows whose width is a multiple of `multiple`; else
+    None."""
     ext = extension_for(x)
-    ok = ext is not None and ext.fast_bf16 and x.dtype == torch.bfloat16
-    return ext if ok and x.shape[-1] % multiple == 0 else None
+    if ext is None or x.shape[-1] % multiple != 0:
+        return None
+    if (x.dtype == torch.float32 and ext.fast_f32) or (x.dtype == torch.bfloat16 and ext.fast_bf16):
+        return ext
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     gpu = invariant_gemm.gpu_kernels(x)
     if gpu is not None and x.dim() == 2:
         return gpu.rms_norm(x, weight, eps)[0]
-    ext = _fast_bf16(x, 16)
+    ext = _fast(x, 16)
     if ext is not None:
         return ext.add_rms_norm(None, x.contiguous(), weight, eps)
     if x.dtype == torch.float32:
@@ -71,7 +79,7 @@ def add_rms_norm(
         out, res = gpu.rms_norm(x, weight, eps, residual)
         assert res is not None
         return out, res
-    ext = _fast_bf16(x, 16)
+    ext = _fast(x, 16)
     if ext is not None:
         residual = residual.contiguous()
         return ext.add_rms_norm(x.contiguous(), residual, weight, eps), residual
@@ -81,7 +89,7 @@ def add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] → silu(gate) * up."""
-    ext = _fast_bf16(x, 32)
+    ext = _fast(x, 32)
     if ext is not None and x.dim() == 2:
         return ext.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
@@ -108,4 +116,4 @@ def rotary(
 
 
 if __name__ == "__main__":
-    sys.exit(build_main(EXTENSION_NAME, [SOURCE]))
+    sys.exit(build_main(EXTENSION_NAME, [SOURCE], CFLAGS))

@@ -111,7 +111,8 @@ def test_norms_rotary_and_activation_are_row_invariant(dtype):
 
     def rotary(rows):
         pos = rows[:, -1].long()
-        return fused.rotary(rows[:, :-1].to(dtype).contiguous(), pos, cos_sin, heads, head_dim)
+        qkv = rows[:, :-1].to(dtype, copy=True).contiguous()  # rotated in place: not x's rows
+        return fused.rotary(qkv, pos, cos_sin, heads, head_dim)
 
     _assert_rows_invariant(rotary, with_pos)
     table = torch.randn(5000, hidden, generator=gen).to(dtype)

@@ -1,9 +1,11 @@
-"""The per-token ops (C++ rotary, torch norm and activation) against plain float32 maths."""
+"""The per-token ops (C++ rotary, add + RMSNorm and SiLU-and-multiply; torch where the C++ path
+does not serve) against plain float32 maths, and the float32 ops against torch's bits."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,8 +13,8 @@ import torch.nn.functional as F
 from pdserve.kernels import fused_ops
 
 pytestmark = pytest.mark.skipif(fused_ops.load() is None, reason="C++ extension did not build")
-DTYPES = [torch.bfloat16, torch.float16]
-TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def _ref_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,5 +98,83 @@ def test_rotary_rejects_positions_outside_table():
         fused_ops.rotary(qkv, torch.tensor([0, 9]), cos_sin, 2, 64)
 
 
-def test_float32_stays_on_the_reference_path():
-    assert fused_ops.extension_for(torch.zeros(1)) is None
+def _f32_ext():
+    ext = fused_ops.load()
+    if ext is None or not ext.fast_f32:
+        pytest.skip("no AVX2 + FMA on this CPU: torch's kernels serve float32")
+    return ext
+
+
+def _fixed_order_add_rms_norm(x, res, w, eps):
+    """The float32 kernel's documented order, one IEEE float32 op at a time in numpy: the
+    squares summed per lane of 8 by FMA (emulated exactly in float64: a float32 product is
+    exact there), the lanes added as ((0+4)+(2+6)) + ((1+5)+(3+7)), the mean, 1/sqrt, and
+    two rounded products. What every host must produce, whatever its vector width."""
+    f32 = np.float32
+    r = (x.numpy() + res.numpy()).astype(f32)
+    lanes = np.zeros((r.shape[0], 8), dtype=f32)
+    for i in range(0, r.shape[1], 8):
+        block = r[:, i : i + 8].astype(np.float64)
+        lanes = (block * block + lanes.astype(np.float64)).astype(f32)
+    half = (lanes[:, :4] + lanes[:, 4:]).astype(f32)
+    pair = (half[:, :2] + half[:, 2:]).astype(f32)
+    total = (pair[:, 0] + pair[:, 1]).astype(f32)
+    var = (total / f32(r.shape[1])).astype(f32)
+    inv = (f32(1) / np.sqrt((var + f32(eps)).astype(f32))).astype(f32)
+    return torch.from_numpy((r * inv[:, None]).astype(f32) * w.numpy()), torch.from_numpy(r)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_float32_add_rms_norm_has_its_fixed_order_bits(rows):
+    """Bit for bit the order written down above (so the same bits on every host class,
+    where torch's own reduction follows ATen's vector width), and within a few ulps of
+    torch's; the engine's calls take the C++ path."""
+    ext = _f32_ext()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen) * 3
+    res = torch.randn(rows, 576, generator=gen)
+    w = torch.rand(576, generator=gen) + 0.5
+    expected, expected_res = _fixed_order_add_rms_norm(x, res, w, 1e-5)
+    new_res = res.clone()
+    out = ext.add_rms_norm(x, new_res, w, 1e-5)
+    assert torch.equal(new_res, expected_res) and torch.equal(out, expected)
+    if os.environ.get("PDSERVE_FUSED_OPS", "1") != "0":
+        engine_out, _ = fused_ops.add_rms_norm(x, res.clone(), w, 1e-5)
+        assert torch.equal(engine_out, out)
+    torch_out = F.rms_norm(expected_res, (576,), w, 1e-5)
+    ulps = (out - torch_out).abs() / torch.finfo(torch.float32).eps / torch_out.abs()
+    assert ulps.max() <= 4
+
+
+def test_float32_silu_and_mul_is_torchs_within_ulps_and_per_row():
+    """torch's two roundings with the attention kernels' exp: within a few float32 ulps of
+    torch's result over silu's whole range (saturation included), a row's bits independent
+    of the rows beside it."""
+    ext = _f32_ext()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(257, 2 * 1536, generator=gen) * 6
+    x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 88.0, -90.0])
+    out = ext.silu_and_mul(x)
+    if os.environ.get("PDSERVE_FUSED_OPS", "1") != "0":
+        assert torch.equal(fused_ops.silu_and_mul(x), out)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    # Below exp's clamp at -87 both results are under 1e-35 in size (torch's is 0).
+    ulp = torch.finfo(torch.float32).eps * expected.abs().clamp_min(1e-28)
+    assert ((out - expected).abs() <= 4 * ulp).all()
+    rows = torch.cat([ext.silu_and_mul(x[i : i + 1]) for i in (0, 5, 256)])
+    assert torch.equal(rows, out[[0, 5, 256]])
+
+
+def test_float32_rotary_is_torchs_bit_for_bit(monkeypatch):
+    """Both products rounded before the add, as torch's rotate-half formulation does: the
+    C++ path and the torch path give the same bits."""
+    _f32_ext()
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(33, 15 * 64, generator=gen)
+    positions = torch.randint(0, 512, (33,), generator=gen)
+    cos_sin = torch.randn(512, 2, 64, generator=gen)
+    fused = fused_ops.rotary(qkv.clone(), positions, cos_sin, 12, 64)
+    monkeypatch.setenv("PDSERVE_FUSED_OPS", "0")
+    assert fused_ops.extension_for(qkv) is None
+    assert torch.equal(fused_ops.rotary(qkv.clone(), positions, cos_sin, 12, 64), fused)
