@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
-from pdserve.services.coordinator.prefix_index import PrefixIndex
+from pdserve.services.coordinator.prefix_index import PrefixIndex, ProvisionalHolds
 from pdserve.services.coordinator.router import (
     NoWorkerError,
     Router,
@@ -73,7 +73,11 @@ class WorkerPool:
         self.index = PrefixIndex()
         self.offload_index = PrefixIndex()  # what the disk tiers below the workers' pools hold
         self.host_index = PrefixIndex()  # what their host-memory tiers hold
-        self.router = Router(role, policy, weights, self.index, self.offload_index, self.host_index)
+        self.provisional = ProvisionalHolds()  # prompts sent to a worker, not reported yet
+        self.router = Router(
+            role, policy, weights, self.index, self.offload_index, self.host_index,
+            self.provisional,
+        )  # fmt: skip
         self.kv_events = kv_events
         self.wait_for_worker_s = wait_for_worker_s
         self.block_size = 0  # from the first report; 0: prompts are not hashed yet
@@ -120,7 +124,7 @@ class WorkerPool:
 
     def _retire(self, worker: WorkerEndpoint) -> None:
         self._set_healthy(worker, False)
-        for index in (self.index, self.offload_index, self.host_index):
+        for index in (self.index, self.offload_index, self.host_index, self.provisional):
             index.remove_worker(worker.address)
         self.router.forget(worker.address)
         with contextlib.suppress(KeyError):
@@ -148,6 +152,7 @@ class WorkerPool:
         yet (at start-up, or while a worker comes back). Raises `NoWorkerError`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_for_worker_s
+        self.provisional.expire()
         while True:
             try:
                 chosen = self.router.pick(
@@ -164,6 +169,8 @@ class WorkerPool:
                     await asyncio.wait_for(self._changed.wait(), left)
         if not self.kv_events and hashes:
             self.index.record(chosen.address, hashes)
+        elif hashes and self.router.pool == "prefill" and self.router.policy == "prefix_aware":
+            self.provisional.add(chosen.address, hashes)
         return chosen  # type: ignore[return-value]
 
     def local_prefill_worker(
@@ -263,7 +270,7 @@ class WorkerPool:
                 call.cancel()
             self._set_healthy(worker, False)
             if self.kv_events:
-                for index in (self.index, self.offload_index, self.host_index):
+                for index in (self.index, self.offload_index, self.host_index, self.provisional):
                     index.remove_worker(worker.address)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, BACKOFF_S[1])
@@ -310,5 +317,6 @@ class WorkerPool:
             ):
                 if report.reset or stored or evicted:
                     index.apply(worker.address, stored, evicted, report.reset)
+            self.provisional.resolved(worker.address, [*report.stored, *report.evicted])
         if worker.routable != was:
             self._changed.set()

@@ -1,6 +1,8 @@
 """Which worker caches which prompt prefix: the prefix-aware router's view of every worker's
 prefix cache, kept from the workers' own reports (hashes stored / evicted, see
 `services/status.py`) or, when those are off, from the router's own past decisions.
+`ProvisionalHolds` bridges the two: what the router just sent a worker counts as held there
+until the worker's report says so itself.
 
 An inverted index (block hash -> workers holding it) makes a decision cost proportional to
 how far the prompt's prefix is actually shared, not to the number of workers: walking the
@@ -9,8 +11,9 @@ and each worker's overlap is where it dropped out."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 WorkerKey = Hashable
 
@@ -122,3 +125,47 @@ class PrefixIndex:
 
     def holds(self, worker: WorkerKey, block_hash: int) -> bool:
         return block_hash in self._held.get(worker, ())
+
+
+class ProvisionalHolds:
+    """Blocks of prompts the router has sent a worker that the worker has not reported yet.
+    A worker reports what it stored every status interval, and only after its one thread
+    has run the prompt's prefill: a conversation's next turn sent as soon as the last answer
+    streams out can reach the router first, and would look uncached everywhere. Until the
+    worker's report lists a block (stored or evicted) or `ttl_s` passes, the block counts as
+    held by the worker it was sent to; the TTL bounds a wrong guess (a prefill that failed,
+    or queued longer than that)."""
+
+    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = PrefixIndex()
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._deadline: dict[tuple[WorkerKey, int], float] = {}
+        self._queue: deque[tuple[float, WorkerKey, int]] = deque()
+
+    def add(self, worker: WorkerKey, hashes: Sequence[int]) -> None:
+        self.expire()
+        deadline = self._clock() + self.ttl_s
+        for h in hashes:
+            self._deadline[(worker, h)] = deadline
+            self._queue.append((deadline, worker, h))
+        self.index.apply(worker, hashes)
+
+    def resolved(self, worker: WorkerKey, hashes: Iterable[int]) -> None:
+        """The worker's report named these blocks: its own word replaces the guess."""
+        gone = [h for h in hashes if self._deadline.pop((worker, h), None) is not None]
+        if gone:
+            self.index.apply(worker, (), gone)
+
+    def expire(self) -> None:
+        now = self._clock()
+        while self._queue and self._queue[0][0] <= now:
+            deadline, worker, h = self._queue.popleft()
+            if self._deadline.get((worker, h)) == deadline:  # not renewed since
+                del self._deadline[(worker, h)]
+                self.index.apply(worker, (), [h])
+
+    def remove_worker(self, worker: WorkerKey) -> None:
+        self.index.remove_worker(worker)
+        for key in [k for k in self._deadline if k[0] == worker]:
+            del self._deadline[key]

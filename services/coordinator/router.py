@@ -5,10 +5,11 @@ coordinator and in `benchmarks/route_sim.py`. Policies:
 - `prefix_aware` (the default): a prefill worker's cost is the prompt blocks it would have
   to compute (those its prefix cache does not hold, from `PrefixIndex`) times
   `prefix_weight`, plus its queue (requests running or waiting there) times `load_weight`;
-  the cheapest wins, ties going round-robin. A block in one of the worker's tiers below
-  the pool (host memory, disk) costs the fraction of a computed block the worker measured
-  for bringing one back from that tier (`host_cost`, `offload_cost`; `DEFAULT_OFFLOAD_COST`
-  until it has). A decode
+  the cheapest wins, ties going round-robin. Blocks of a prompt just sent to a worker count
+  as held there until its report arrives (`ProvisionalHolds`). A block in one of the
+  worker's tiers below the pool (host memory, disk) costs the fraction of a computed block
+  the worker measured for bringing one back from that tier (`host_cost`, `offload_cost`;
+  `DEFAULT_OFFLOAD_COST` until it has). A decode
   worker is picked by load alone: fewest sequences running or waiting, among those with
   room for the request's blocks.
 - `least_loaded`: the fewest requests in flight or queued, round-robin among ties.
@@ -29,7 +30,7 @@ from operator import attrgetter
 
 from prometheus_client import Counter
 
-from pdserve.services.coordinator.prefix_index import PrefixIndex
+from pdserve.services.coordinator.prefix_index import PrefixIndex, ProvisionalHolds
 
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 DEFAULT_POLICY = "prefix_aware"
@@ -108,6 +109,7 @@ class Router:
         index: PrefixIndex | None = None,
         offload_index: PrefixIndex | None = None,
         host_index: PrefixIndex | None = None,
+        provisional: ProvisionalHolds | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -117,6 +119,7 @@ class Router:
         self.index = index
         self.offload_index = offload_index  # the disk tiers below the workers' pools
         self.host_index = host_index  # their host-memory tiers
+        self.provisional = provisional  # sent to a worker, not reported by it yet
         self._turn = itertools.count()
 
     def pick(
@@ -173,9 +176,10 @@ class Router:
         best = min(order, key=_QUEUE)
         if self.index is None or not hashes:
             return best
-        in_pool = self.index.overlaps(hashes)
+        sent = self._sent()
+        in_pool = self.index.overlaps_with(sent, hashes) if sent else self.index.overlaps(hashes)
         tiers = [t for t in (self.host_index, self.offload_index) if t is not None and t.has_any()]
-        reach = self.index.overlaps_with(tiers, hashes) if tiers else in_pool
+        reach = self.index.overlaps_with(sent + tiers, hashes) if tiers else in_pool
         if not reach:
             return best
         best_cost = w_prefix * len(hashes) + w_load * best.queue
@@ -184,14 +188,25 @@ class Router:
             worker = by_address.get(address)
             if worker is None:
                 continue
-            blocks = len(hashes) - overlap + self._tier_blocks(worker, hashes, in_pool, overlap)
+            blocks = len(hashes) - overlap
+            blocks += self._tier_blocks(worker, hashes, in_pool, overlap, sent)
             cost = w_prefix * blocks + w_load * worker.queue
             if cost < best_cost:
                 best, best_cost = worker, cost
         return best
 
+    def _sent(self) -> list[PrefixIndex]:
+        """The provisional holds as an index to overlap with, if any."""
+        held = self.provisional
+        return [held.index] if held is not None and held.index.has_any() else []
+
     def _tier_blocks(
-        self, worker: WorkerState, hashes: Sequence[int], in_pool: dict, overlap: int
+        self,
+        worker: WorkerState,
+        hashes: Sequence[int],
+        in_pool: dict,
+        overlap: int,
+        sent: Sequence[PrefixIndex],
     ) -> float:
         """What the blocks of the reach past the worker's pool run cost, in computed blocks:
         0 for one its pool holds after all, its host tier's cost, else its disk tier's."""
@@ -202,7 +217,7 @@ class Router:
         disk_cost = worker.offload_cost or DEFAULT_OFFLOAD_COST
         total = 0.0
         for h in hashes[pooled:overlap]:
-            if self.index is not None and self.index.holds(worker.address, h):
+            if any(i.holds(worker.address, h) for i in (self.index, *sent) if i is not None):
                 continue
             if self.host_index is not None and self.host_index.holds(worker.address, h):
                 total += host_cost

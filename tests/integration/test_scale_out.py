@@ -190,11 +190,9 @@ def conversation_hit_rate(cluster, policy: str, tag: str) -> tuple[float, list[l
                     usage = responses[-1].usage
                     turns[i].append((usage.prompt_tokens, usage.cached_tokens))
                     reply = "".join(r.text for r in responses)
+                    # Sent at once: the prefill worker's report of this turn's blocks may
+                    # not have reached the coordinator yet (the router's provisional holds).
                     messages.append(generate_pb2.ChatMessage(role="assistant", content=reply))
-                    # The prefill worker's report of the blocks it stored reaches the
-                    # coordinator within its status interval, later when its one thread is
-                    # in another prompt's step; a user's next turn comes after reading.
-                    time.sleep(0.5)
 
         def client(first: int) -> None:
             chat(first)

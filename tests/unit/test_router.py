@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.services.coordinator.pool import WorkerPool
-from pdserve.services.coordinator.prefix_index import PrefixIndex
+from pdserve.services.coordinator.prefix_index import PrefixIndex, ProvisionalHolds
 from pdserve.services.coordinator.router import NoWorkerError, Router, RouterWeights, WorkerState
 
 
@@ -54,6 +54,63 @@ def test_prefix_aware_trades_cached_blocks_against_queue() -> None:
     a.update_queue()  # 2 + 3 x 2 = 8 vs 6: b
     assert router.pick([a, b], prompt) is b
     assert router.pick([a, b], [9, 9]) is b  # nothing cached anywhere: the idle one
+
+
+def test_a_prompt_just_sent_counts_as_held_until_its_worker_reports() -> None:
+    """A conversation's next turn can reach the router before the worker's report of the
+    last turn's blocks: those blocks count as held where they were sent, the worker's own
+    report then takes over, and a guess no report confirms lapses after the TTL."""
+    now = [0.0]
+    index, sent = PrefixIndex(), ProvisionalHolds(ttl_s=10.0, clock=lambda: now[0])
+    router = Router("prefill", "prefix_aware", RouterWeights(1.0, 2.0), index, provisional=sent)
+    a, b = WorkerState("a"), WorkerState("b")
+    turn = [1, 2, 3, 4]
+    first = router.pick([a, b], turn)
+    sent.add(first.address, turn)
+    other = b if first is a else a
+    for _ in range(3):  # the next turn, its prefix unreported: never round-robined away
+        assert router.pick([a, b], [*turn, 5, 6]) is first
+    sent.resolved(first.address, [1, 2])  # the report: 1 and 2 stored (3 and 4 still pending)
+    index.apply(first.address, [1, 2])
+    assert sent.index.overlaps(turn) == {} and index.overlaps(turn) == {first.address: 2}
+    assert router.pick([a, b], [*turn, 5, 6]) is first  # 2 reported + 2 pending
+    # A prompt sent to `other` that never shows up in its reports (its prefill failed).
+    sent.add(other.address, [7, 8, 9, 10])
+    other.in_flight = 1
+    other.update_queue()
+    assert router.pick([a, b], [7, 8, 9, 10]) is other  # 0 + 1 x 2 = 2 < 4
+    now[0] = 10.0
+    sent.expire()
+    assert router.pick([a, b], [7, 8, 9, 10]) is first  # 4 < 4 + 2: the guess has lapsed
+    assert sent.index.overlaps(turn) == {}  # 3 and 4 lapsed too; the report's 1, 2 remain
+    assert router.pick([a, b], [*turn, 5, 6]) is first
+    sent.add(other.address, [11])
+    sent.remove_worker(other.address)
+    assert len(sent.index) == 0
+
+
+def test_pool_holds_what_it_sent_until_the_report() -> None:
+    """The pool's side: a prefill pick records the prompt's blocks as sent, the worker's
+    report resolves them, and a decode pick records nothing."""
+    from pdserve.services.coordinator.pool import WorkerEndpoint
+    from pdserve.v1 import worker_pb2
+
+    async def main() -> None:
+        for role in ("prefill", "decode"):
+            pool = WorkerPool(role, [], lambda c: c)
+            worker = WorkerEndpoint("10.0.0.1:5000", healthy=False)
+            pool.workers[worker.address] = worker
+            sizes = {"free_blocks": 9, "total_blocks": 9, "block_size": 16}
+            pool._apply(worker, worker_pb2.WatchResponse(**sizes))
+            assert await pool.pick([1, 2, 3]) is worker
+            held = pool.provisional.index.overlaps([1, 2, 3])
+            assert held == ({worker.address: 3} if role == "prefill" else {})
+            pool._apply(worker, worker_pb2.WatchResponse(stored=[1, 2, 3], **sizes))
+            assert pool.provisional.index.overlaps([1, 2, 3]) == {}
+            assert pool.index.overlaps([1, 2, 3]) == {worker.address: 3}
+            await pool.close()
+
+    asyncio.run(main())
 
 
 def test_decode_goes_to_the_least_loaded_with_room() -> None:
