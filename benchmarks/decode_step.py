@@ -13,6 +13,11 @@ at the best bf16/fp32 matmul rate measured: a 2048³ `mm`, and the 120 linears a
 the fast path); `step_over_floor` is the step's time over the larger of the two (issue
 target: within 1.5x at batch 1, 16 and 64).
 
+`per_token_ops` times the invariant engine's steps once more, alternating step by step
+between the C++ per-token ops (the default) and torch's kernels for them
+(`PDSERVE_FUSED_OPS=0`) in the same engine and batch, so their ratio is free of the
+machine's drift between runs.
+
     .venv/bin/python benchmarks/decode_step.py [--threads 2] [--dtype bfloat16]
 """
 
@@ -30,7 +35,7 @@ import torch
 from machine import cpu_name
 
 from pdserve.common.models.linear import Linear
-from pdserve.kernels import invariant_gemm
+from pdserve.kernels import fused_ops, invariant_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M, fused qkv/gate-up
 PATHS = {"invariant": "1", "fast": "0"}
@@ -122,7 +127,11 @@ CONTEXT = 200  # prompt tokens of every sequence in the engine steps
 STEPS = 15  # decode steps timed per batch size (their median is reported)
 
 
-def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, float]:
+def engine_steps(
+    batches: list[int], threads: int, dtype: str, alternate_ops: bool = False
+) -> dict[str, dict[str, float]]:
+    """Median step ms by batch: {"steps": ...}, and with `alternate_ops` also
+    {"torch_ops_steps": ...} from steps taken in turn with torch's per-token ops."""
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams
@@ -132,7 +141,7 @@ def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, floa
     # Long enough that no sequence finishes while the others are still in prefill (with 60
     # tokens, "batch 64" measured steps of about 20 sequences), and aborted once timed.
     params = SamplingParams(max_tokens=4 * CONTEXT, temperature=0, ignore_eos=True)
-    out = {}
+    out: dict[str, dict[str, float]] = {"steps": {}, "torch_ops_steps": {}}
     for batch in batches:
         prompts = [[rng.randrange(100, 49000) for _ in range(CONTEXT)] for _ in range(batch)]
         ids = [engine.add_request(prompt, params).request_id for prompt in prompts]
@@ -140,14 +149,19 @@ def engine_steps(batches: list[int], threads: int, dtype: str) -> dict[str, floa
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
         ):
             engine.step()
-        times = []
-        for _ in range(STEPS):
+        times: dict[str, list[float]] = {"steps": [], "torch_ops_steps": []}
+        for i in range(STEPS * (2 if alternate_ops else 1)):
             running = len(engine.scheduler.running)
             assert running == batch, f"a batch-{batch} step ran {running} sequences"
+            kind = "torch_ops_steps" if i % 2 and alternate_ops else "steps"
+            os.environ[fused_ops.FUSED_ENV] = "0" if kind == "torch_ops_steps" else "1"
             start = time.perf_counter()
             engine.step()
-            times.append(time.perf_counter() - start)
-        out[str(batch)] = round(statistics.median(times) * 1e3, 2)
+            times[kind].append(time.perf_counter() - start)
+        os.environ.pop(fused_ops.FUSED_ENV)
+        for kind, samples in times.items():
+            if samples:
+                out[kind][str(batch)] = round(statistics.median(samples) * 1e3, 2)
         for request_id in ids:
             engine.abort_request(request_id)
         while engine.has_unfinished_requests():
@@ -180,8 +194,15 @@ def main() -> int:
     steps = {}
     for name, flag in PATHS.items():
         os.environ[invariant_gemm.INVARIANT_ENV] = flag
-        steps[name] = engine_steps(batches, args.threads, args.dtype)
+        steps[name] = engine_steps(batches, args.threads, args.dtype)["steps"]
     os.environ.pop(invariant_gemm.INVARIANT_ENV)
+    alternating = engine_steps(batches, args.threads, args.dtype, alternate_ops=True)
+    cpp, torch_ops = alternating["steps"], alternating["torch_ops_steps"]
+    per_token_ops = {
+        "cpp_ops_step_ms": cpp,
+        "torch_ops_step_ms": torch_ops,
+        "cpp_over_torch_step_time": {b: round(cpp[b] / torch_ops[b], 3) for b in cpp},
+    }
     ratios = {b: round(steps["invariant"][b] / steps["fast"][b], 3) for b in steps["fast"]}
     from pdserve.common.model_files import resolve_model
 
@@ -207,6 +228,7 @@ def main() -> int:
                 "linears_120": linears,
                 "engine_decode_step_ms_by_batch": steps,
                 "invariant_over_fast_step_time": ratios,
+                "per_token_ops": per_token_ops,
                 "matmul_gflops": rates,
                 "model_weights_read_per_step_mb": round(
                     shape["dense_weights"] * dtype.itemsize / 1e6, 1

@@ -24,6 +24,7 @@ from pdserve.kernels import invariant_gemm
 from pdserve.kernels.cpp_build import build_main, load_extension
 
 EXTENSION_NAME = "pdserve_fused_ops"
+FUSED_ENV = "PDSERVE_FUSED_OPS"  # "0": torch's kernels for every per-token op
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 # A product is rounded before it is added (torch's rotary bits in float32): the compiler may
 # not fuse a multiply and an add into one FMA behind the source's back.
@@ -39,7 +40,7 @@ def extension_for(x: torch.Tensor) -> ModuleType | None:
     if (
         x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-        or os.environ.get("PDSERVE_FUSED_OPS", "1") == "0"
+        or os.environ.get(FUSED_ENV, "1") == "0"
     ):
         return None
     return load()
