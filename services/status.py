@@ -1,8 +1,10 @@
 """Every worker's `WorkerStatusService`: what routing needs to know about this worker, as a
 stream to each coordinator. Every `interval` the hub takes, on the engine thread between
 steps, the prefix cache's changes (hashes stored and evicted) and the load (running,
-waiting, free blocks), and sends them to every watcher; a new watcher's first report is the
-whole index, so a restarted coordinator rebuilds its view from the truth. Draining (SIGTERM)
+waiting, free blocks), and sends them to every watcher; a new watcher's first report with
+the cache is the whole index, so a restarted coordinator rebuilds its view from the truth.
+While one step runs longer than `HEARTBEAT_S`, the last load is sent again meanwhile, so a
+coordinator does not take a busy worker for a dead one. Draining (SIGTERM)
 is reported at once, so routers stop sending new work before the worker goes away.
 
 Bounded for every watcher: the interval is the worker's (`--status-interval`), a watcher
@@ -35,8 +37,10 @@ MIN_INTERVAL_S = 0.05
 WATCHER_QUEUE = 32
 MAX_WATCHERS = 64
 IDLE_DRAIN_S = 1.0  # with no watcher, the event log is still emptied this often
+HEARTBEAT_S = 1.0  # while a step runs longer, the last load is reported this often
 # A cache's (stored?, hash) changes since the last report, and its whole index when asked.
 Changes = tuple[list[tuple[bool, int]], list[int] | None]
+NO_CHANGES: tuple[Changes, Changes, Changes] = (([], None), ([], None), ([], None))
 
 
 class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
@@ -58,6 +62,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         self._refused_count = STATUS_WATCHERS_REFUSED.labels(**labels)
         self._wake = asyncio.Event()
         self.draining = False
+        self._last_load: dict = {}  # the load of the last report (none before the first)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -112,53 +117,65 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             self._wake.clear()
             fresh = set(self._fresh)
             self._fresh.clear()
-            collected = await loop.call(lambda f=bool(fresh): self._collect(f))
-            (events, index), (tier_events, tier_index), (host_events, host_index), load = collected
-            if not self._watchers:
-                continue
-            stored = [h for added, h in events if added]
-            evicted = [h for added, h in events if not added]
-            tier_stored = [h for added, h in tier_events if added]
-            tier_evicted = [h for added, h in tier_events if not added]
-            host_stored = [h for added, h in host_events if added]
-            host_evicted = [h for added, h in host_events if not added]
-            for key, queue in self._watchers.items():
-                report = worker_pb2.WatchResponse(
-                    worker_id=self.worker.worker_id,
-                    role=self.worker.role,
-                    group=self.worker.group,
-                    group_rank=self.worker.group_rank,
-                    group_size=self.worker.group_size,
-                    block_size=self.block_size,
-                    draining=self.draining,
-                    address=self.worker.address,
-                    **load,
-                )
-                if key in fresh:
-                    report.reset = True
-                    report.stored.extend(index or ())
-                    report.offload_stored.extend(tier_index or ())
-                    report.host_stored.extend(host_index or ())
-                else:
-                    report.stored.extend(stored)
-                    report.evicted.extend(evicted)
-                    report.offload_stored.extend(tier_stored)
-                    report.offload_evicted.extend(tier_evicted)
-                    report.host_stored.extend(host_stored)
-                    report.host_evicted.extend(host_evicted)
-                if queue.full():  # a watcher not reading: drop its backlog, resync it
-                    while not queue.empty():
-                        queue.get_nowait()
-                    self._fresh.add(key)
-                    self.resyncs += 1
-                    self._resync_count.inc()
-                    self._wake.set()
-                else:
-                    queue.put_nowait(report)
+            collecting = asyncio.ensure_future(loop.call(lambda f=bool(fresh): self._collect(f)))
+            # The engine thread answers between steps, and one step can outlast a
+            # coordinator's patience (STALE_AFTER_S: a long prefill chunk on one slow core).
+            # Meanwhile the last load goes out every HEARTBEAT_S, with no cache changes, so
+            # a busy worker is not taken for a dead one; fresh watchers get their index after.
+            while not (await asyncio.wait({collecting}, timeout=HEARTBEAT_S))[0]:
+                self._send(set(), NO_CHANGES, self._last_load)
+            changes, self._last_load = collecting.result()
+            self._send(fresh, changes, self._last_load)
 
-    def _collect(self, with_index: bool) -> tuple[Changes, Changes, Changes, dict]:
+    def _send(self, fresh: set[int], changes: tuple[Changes, Changes, Changes], load: dict) -> None:
+        """One report to every watcher: the whole indexes to the `fresh` ones, else the
+        changes since the last report."""
+        if not self._watchers:
+            return
+        (events, index), (tier_events, tier_index), (host_events, host_index) = changes
+        stored = [h for added, h in events if added]
+        evicted = [h for added, h in events if not added]
+        tier_stored = [h for added, h in tier_events if added]
+        tier_evicted = [h for added, h in tier_events if not added]
+        host_stored = [h for added, h in host_events if added]
+        host_evicted = [h for added, h in host_events if not added]
+        for key, queue in self._watchers.items():
+            report = worker_pb2.WatchResponse(
+                worker_id=self.worker.worker_id,
+                role=self.worker.role,
+                group=self.worker.group,
+                group_rank=self.worker.group_rank,
+                group_size=self.worker.group_size,
+                block_size=self.block_size,
+                draining=self.draining,
+                address=self.worker.address,
+                **load,
+            )
+            if key in fresh:
+                report.reset = True
+                report.stored.extend(index or ())
+                report.offload_stored.extend(tier_index or ())
+                report.host_stored.extend(host_index or ())
+            else:
+                report.stored.extend(stored)
+                report.evicted.extend(evicted)
+                report.offload_stored.extend(tier_stored)
+                report.offload_evicted.extend(tier_evicted)
+                report.host_stored.extend(host_stored)
+                report.host_evicted.extend(host_evicted)
+            if queue.full():  # a watcher not reading: drop its backlog, resync it
+                while not queue.empty():
+                    queue.get_nowait()
+                self._fresh.add(key)
+                self.resyncs += 1
+                self._resync_count.inc()
+                self._wake.set()
+            else:
+                queue.put_nowait(report)
+
+    def _collect(self, with_index: bool) -> tuple[tuple[Changes, Changes, Changes], dict]:
         """On the engine thread: the pool's, the disk tier's and the host tier's changes (and
-        whole indexes if asked), the load."""
+        whole indexes if asked), and the load."""
         engine = self.worker.loop.engine
         kv = engine.kv_cache
         load = {
@@ -170,7 +187,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             "host_cost": engine.tier_cost(kv.host_tier),
         }
         pool = self.pool.drain_events(), list(self.pool.cached) if with_index else None
-        return pool, _changes(kv.tier, with_index), _changes(kv.host_tier, with_index), load
+        return (pool, _changes(kv.tier, with_index), _changes(kv.host_tier, with_index)), load
 
 
 def _changes(tier: DiskTier | HostTier | None, with_index: bool) -> Changes:

@@ -114,3 +114,46 @@ def test_watchers_are_capped(monkeypatch) -> None:
         await hub.stop()
 
     asyncio.run(main())
+
+
+def test_a_step_longer_than_the_heartbeat_still_reports_the_load(monkeypatch) -> None:
+    """The engine thread answers between steps; while one step runs long (a big prefill
+    chunk on one slow core can take longer than a coordinator waits for a report), the last
+    load goes out every HEARTBEAT_S with no cache changes, draining included, and the
+    changes follow once the step ends."""
+    monkeypatch.setattr(status, "HEARTBEAT_S", 0.02)
+
+    async def main() -> None:
+        worker = fake_worker()
+        hub = StatusHub(worker, interval_s=0.05)  # type: ignore[arg-type]
+        hub.start()
+        watcher = hub.Watch(worker_pb2.WatchRequest(), Context())
+        first = await anext(watcher)
+        assert first.reset and first.free_blocks == 10
+        step_over = asyncio.Event()
+
+        async def long_step(fn):
+            await step_over.wait()
+            return fn()
+
+        worker.loop.call = long_step
+        for _ in range(3):
+            beat = await asyncio.wait_for(anext(watcher), 5)
+            assert not beat.reset and not beat.stored and not beat.evicted
+            assert (beat.free_blocks, beat.total_blocks) == (10, 16)
+        hub.draining = True
+        for _ in range(20):  # heartbeats queued before it, then one saying so
+            if (await asyncio.wait_for(anext(watcher), 5)).draining:
+                break
+        else:
+            pytest.fail("draining was not reported during the step")
+        step_over.set()
+        for _ in range(20):
+            report = await asyncio.wait_for(anext(watcher), 5)
+            if list(report.stored) == [33]:
+                break
+        else:
+            pytest.fail("the step's cache changes never came")
+        await hub.stop()
+
+    asyncio.run(main())
