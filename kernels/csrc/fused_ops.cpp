@@ -221,7 +221,8 @@ torch::Tensor add_rms_norm(const c10::optional<torch::Tensor>& x, torch::Tensor 
   const int64_t rows = residual.size(0), hidden = residual.size(1);
   const float feps = static_cast<float>(eps);
   if (dtype == at::kFloat) {
-    TORCH_CHECK(cpu_has_avx2_fma() && hidden % 8 == 0, "add_rms_norm: float32 needs AVX2+FMA, H % 8 == 0");
+    TORCH_CHECK(cpu_has_avx2_fma() && hidden % 8 == 0,
+                "add_rms_norm: float32 needs AVX2+FMA, H % 8 == 0");
     const float* xp = x ? x->data_ptr<float>() : nullptr;
     float* res = residual.data_ptr<float>();
     const float* w = weight.data_ptr<float>();
@@ -252,7 +253,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = torch::empty({rows, inter}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(cpu_has_avx2_fma() && inter % 8 == 0, "silu_and_mul: float32 needs AVX2+FMA, I % 8 == 0");
+    TORCH_CHECK(cpu_has_avx2_fma() && inter % 8 == 0,
+                "silu_and_mul: float32 needs AVX2+FMA, I % 8 == 0");
     const float* in = x.data_ptr<float>();
     float* o = out.data_ptr<float>();
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
