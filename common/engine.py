@@ -85,6 +85,10 @@ class LLMEngine:
             )
             self.kv_cache.attach_shared_tier(shared, self.runner.kv_cache)
         self.step_cost = StepCostModel()
+        # The first step with prompt tokens and the first without pay one-off costs (the
+        # allocator's growth, each kernel's first call, a C++ extension built on first use:
+        # once ~30 s), which a least-squares fit would spread over every later prediction.
+        self._cold_step_kinds = {True, False}
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
             self.step_cost, config.tpot_target_ms / 1000,
@@ -336,9 +340,12 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
-        self.step_cost.record(
-            batch.num_decodes, prefill, attention, time.perf_counter() - step_start
-        )
+        seconds = time.perf_counter() - step_start
+        kind = prefill > 0
+        if kind in self._cold_step_kinds:
+            self._cold_step_kinds.discard(kind)
+        else:
+            self.step_cost.record(batch.num_decodes, prefill, attention, seconds)
         return outputs
 
     def _time_prefill(self, prefill_tokens: int, seconds: float) -> None:

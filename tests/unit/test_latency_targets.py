@@ -273,3 +273,20 @@ def test_the_scheduler_names_an_unmet_tpot_target_while_prompts_wait(tiny_model_
     for request_id in ("d0", "d1", "waiting"):
         engine.abort_request(request_id)
     assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_a_workers_first_step_of_each_kind_is_not_a_sample(tiny_model_dir):
+    """One-off costs (the allocator's growth, each kernel's first call, an extension built
+    on first use) land in a worker's first steps: its first step with prompt tokens and its
+    first without are left out of the step-cost fit; every later step is in it."""
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", threads=1, kv_cache_tokens=4096)
+    )
+    engine.add_request(_prompt(0), GREEDY, "first")  # 1 prefill step, then 7 decode steps
+    _run(engine)
+    assert [s[2] for s in engine.step_cost.samples] == [0.0] * 6
+    engine.add_request(_prompt(1), GREEDY, "second")
+    _run(engine)
+    tokens = [s[2] for s in engine.step_cost.samples]
+    assert tokens == [0.0] * 6 + [100.0] + [0.0] * 7
