@@ -158,11 +158,6 @@ class LLMEngine:
         return request
 
     def _admit(self, request: Request, ttft_target_s: float) -> None:
-        if not self.scheduler.running and not self.scheduler.waiting:
-            # Nothing ahead of it: a refusal cannot bring its first token sooner, and an
-            # idle worker that refused on a bad estimate (one-off costs of its first steps)
-            # would never run the steps that correct it.
-            return
         wait = self.scheduler.prefill_wait_s(request)
         if wait is not None and wait > ttft_target_s:
             raise WorkerBusyError(

@@ -161,30 +161,6 @@ def test_a_prompt_past_the_ttft_target_is_refused_before_it_holds_anything(tiny_
 
 
 @pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
-def test_an_idle_worker_admits_a_prompt_its_estimate_puts_past_the_target(tiny_model_dir):
-    """The step costs overestimate prefill 50x (as one-off costs of a worker's first steps
-    can make them): an idle worker still takes the prompt, since nothing is ahead of it and
-    refusing would starve the model of the steps that correct it; a second prompt queued
-    behind it is refused."""
-    engine = _engine(tiny_model_dir)
-    engine.step_cost = engine.scheduler.step_cost = StepCostModel()
-    for i in range(16):
-        tokens = 64 + 37 * i
-        pairs = attention_pairs(0, tokens)
-        engine.step_cost.record(0, tokens, pairs, 50 * true_cost(0, tokens, pairs))
-    target = ONE + BASE  # a lone prompt's true first token fits; the estimate's does not
-    lone = engine.step_cost.prefill_wait_s([(0, 100)], 0, 0.0, 0.05, 16, 4096)
-    assert lone is not None and lone > 40 * target
-    total = engine.kv_cache.num_free_blocks
-    engine.add_request(_prompt(0), GREEDY, "alone", ttft_target_s=target)
-    with pytest.raises(WorkerBusyError):
-        engine.add_request(_prompt(1), GREEDY, "behind", ttft_target_s=target)
-    assert list(engine.scheduler.requests) == ["alone"]
-    _run(engine)
-    assert engine.kv_cache.num_free_blocks == total
-
-
-@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 def test_a_cached_prefix_counts_only_what_is_left_to_compute(tiny_model_dir):
     engine = _engine(tiny_model_dir)
     engine.add_request(_prompt(0), GREEDY, "first")
