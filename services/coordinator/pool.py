@@ -317,6 +317,7 @@ class WorkerPool:
             ):
                 if report.reset or stored or evicted:
                     index.apply(worker.address, stored, evicted, report.reset)
-            self.provisional.resolved(worker.address, [*report.stored, *report.evicted])
+            if self.provisional.index.has_any():  # only prefill pools ever hold any
+                self.provisional.resolved(worker.address, [*report.stored, *report.evicted])
         if worker.routable != was:
             self._changed.set()

@@ -144,7 +144,7 @@ class ProvisionalHolds:
         self._queue: deque[tuple[float, WorkerKey, int]] = deque()
 
     def add(self, worker: WorkerKey, hashes: Sequence[int]) -> None:
-        self.expire()
+        """The caller expires lapsed holds (`expire`) before each decision, not here."""
         deadline = self._clock() + self.ttl_s
         for h in hashes:
             self._deadline[(worker, h)] = deadline

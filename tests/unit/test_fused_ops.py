@@ -60,7 +60,7 @@ def test_fast_silu_and_mul_is_torchs_within_one_ulp_and_per_row():
     x = (torch.randn(257, 2 * 1536, generator=gen) * 6).to(torch.bfloat16)
     x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 88.0, -90.0])
     out = ext.silu_and_mul(x)
-    if os.environ.get("PDSERVE_FUSED_OPS", "1") != "0":
+    if os.environ.get(fused_ops.FUSED_ENV, "1") != "0":
         assert torch.equal(fused_ops.silu_and_mul(x), out)  # the engine's calls take it
     gate, up = x.chunk(2, dim=-1)
     expected = F.silu(gate).mul_(up)
@@ -138,7 +138,7 @@ def test_float32_add_rms_norm_has_its_fixed_order_bits(rows):
     new_res = res.clone()
     out = ext.add_rms_norm(x, new_res, w, 1e-5)
     assert torch.equal(new_res, expected_res) and torch.equal(out, expected)
-    if os.environ.get("PDSERVE_FUSED_OPS", "1") != "0":
+    if os.environ.get(fused_ops.FUSED_ENV, "1") != "0":
         engine_out, _ = fused_ops.add_rms_norm(x, res.clone(), w, 1e-5)
         assert torch.equal(engine_out, out)
     torch_out = F.rms_norm(expected_res, (576,), w, 1e-5)
@@ -155,7 +155,7 @@ def test_float32_silu_and_mul_is_torchs_within_ulps_and_per_row():
     x = torch.randn(257, 2 * 1536, generator=gen) * 6
     x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 88.0, -90.0])
     out = ext.silu_and_mul(x)
-    if os.environ.get("PDSERVE_FUSED_OPS", "1") != "0":
+    if os.environ.get(fused_ops.FUSED_ENV, "1") != "0":
         assert torch.equal(fused_ops.silu_and_mul(x), out)
     gate, up = x.chunk(2, dim=-1)
     expected = F.silu(gate).mul_(up)
@@ -175,6 +175,6 @@ def test_float32_rotary_is_torchs_bit_for_bit(monkeypatch):
     positions = torch.randint(0, 512, (33,), generator=gen)
     cos_sin = torch.randn(512, 2, 64, generator=gen)
     fused = fused_ops.rotary(qkv.clone(), positions, cos_sin, 12, 64)
-    monkeypatch.setenv("PDSERVE_FUSED_OPS", "0")
+    monkeypatch.setenv(fused_ops.FUSED_ENV, "0")
     assert fused_ops.extension_for(qkv) is None
     assert torch.equal(fused_ops.rotary(qkv.clone(), positions, cos_sin, 12, 64), fused)
