@@ -127,6 +127,12 @@ AVX2_TARGET inline void store8_avx2(T* dst, __m256 v, const float* bias, int n) 
   }
 }
 
+// Weight lines a register block prefetches into L2 while it works (see the row drivers).
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
 // ------------------------------------------------------------------ FMA paths
 // The register blocks below accumulate into a local array and copy it out once at the end.
 // Accumulating straight into the caller's array made the compiler store every accumulator
@@ -183,11 +189,12 @@ AVX512_TARGET void fma_block_avx512(const float* x, int64_t ldx, const W* b, int
 
 template <typename W, int R>
 AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t k,
-                                __m256 (&out)[R][2]) {
+                                __m256 (&out)[R][2], Ahead ahead) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (std::is_same_v<W, c10::BFloat16>) {
     const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    int64_t carry = 0, line = 0;
     for (int64_t p = 0; p < k / 2; ++p) {
       __m256 even[2], odd[2];
       for (int h = 0; h < 2; ++h) {
@@ -204,8 +211,11 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
           acc[r][h] = _mm256_fmadd_ps(x1, odd[h], acc[r][h]);
         }
       }
+      for (carry += ahead.lines; carry >= k / 2; carry -= k / 2, ++line)
+        _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
     }
   } else {
+    int64_t carry = 0, line = 0;
     for (int64_t q = 0; q < k; ++q) {
       __m256 w[2];
       for (int h = 0; h < 2; ++h) {
@@ -220,6 +230,8 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
         acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
       }
+      for (carry += ahead.lines; carry >= k; carry -= k, ++line)
+        _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
     }
   }
   std::memcpy(out, acc, sizeof(acc));
@@ -228,10 +240,6 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
 // ------------------------------------------------------------------ AVX512-BF16 path
 // acc += pair(x[2p], x[2p+1]) . pair(w[2p], w[2p+1]) for p = 0, 1, ...: VDPBF16PS.
 // `ahead`: weight lines to prefetch into L2 meanwhile, spread evenly over the K loop.
-struct Ahead {
-  const char* p = nullptr;
-  int64_t lines = 0;
-};
 
 template <int R, int NB>
 BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b,
@@ -367,9 +375,9 @@ AVX512_TARGET void gemm_fma_avx512(const Problem& pr, const float* x, const W* w
 
 template <typename T, typename W, int R>
 AVX2_TARGET void fma_tile_avx2(const Problem& pr, const float* x, const W* w, int64_t bstride,
-                               T* y, int64_t r0, int64_t b) {
+                               T* y, int64_t r0, int64_t b, Ahead ahead) {
   __m256 acc[R][2];
-  fma_block_avx2<W, R>(x + r0 * pr.k, pr.k, w + b * bstride, pr.k, acc);
+  fma_block_avx2<W, R>(x + r0 * pr.k, pr.k, w + b * bstride, pr.k, acc, ahead);
   const int64_t col = b * kBlock;
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
@@ -380,23 +388,44 @@ AVX2_TARGET void fma_tile_avx2(const Problem& pr, const float* x, const W* w, in
     }
 }
 
+// Rows [m0, m1) of column block b: tiles of 6 rows, then the last 1-5 rows as one tile (one
+// pass over the block's weights with independent FMA chains per row; row by row, each pass
+// would wait on one chain's latency). The tiles prefetch the next block's weights into L2,
+// spread over their K loops, so DRAM streams the next block while this one is multiplied.
+// Measured on the AVX2 host, SmolLM2's 120 float32 linears against no software prefetch:
+// 4 rows 1.2x, 16 rows 1.3x, 64 rows 1.1x faster, 1 row the same (the hardware prefetcher
+// keeps up there). Only where the data goes changes, never the arithmetic.
+template <typename T, typename W>
+AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, int64_t bstride,
+                               T* y, int64_t m0, int64_t m1, int64_t b) {
+  const int64_t tiles = (m1 - m0 + 5) / 6;
+  const int64_t next = b + 1 < pr.nblocks ? bstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
+  const int64_t per_tile = (next + tiles - 1) / tiles;
+  const char* ahead = reinterpret_cast<const char*>(w + (b + 1) * bstride);
+  int64_t done = 0;
+  auto take = [&]() {
+    const Ahead a{ahead + done * 64, std::min(per_tile, next - done)};
+    done += a.lines;
+    return a;
+  };
+  int64_t r = m0;
+  for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b, take());
+  switch (m1 - r) {
+    case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b, take()); break;
+    case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b, take()); break;
+    case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b, take()); break;
+    case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b, take()); break;
+    case 1: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b, take()); break;
+    default: break;
+  }
+}
+
 template <typename T, typename W>
 AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T* y) {
   const int64_t bstride = std::is_same_v<W, c10::BFloat16> ? ((pr.k + 31) / 32) * 32 * kBlock
                                                            : pr.k * kBlock;
   for_units(pr, 1, [&](int64_t m0, int64_t m1, int64_t b0, int64_t) {
-    int64_t r = m0;
-    for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b0);
-    // The last 1-5 rows as one tile: one pass over the block's weights with independent
-    // FMA chains per row (row by row, each pass waits on one chain's latency).
-    switch (m1 - r) {
-      case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b0); break;
-      case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b0); break;
-      case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b0); break;
-      case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b0); break;
-      case 1: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b0); break;
-      default: break;
-    }
+    fma_rows_avx2<T, W>(pr, x, w, bstride, y, m0, m1, b0);
   });
 }
 
