@@ -54,6 +54,7 @@ $(STAMP): pyproject.toml Makefile kernels/csrc/*.cpp kernels/csrc/*.h $(PROTOS)
 	$(PY) -m pdserve.kernels.skinny_linear
 	$(PY) -m pdserve.kernels.invariant_gemm
 	$(PY) -m pdserve.kernels.shm_collective
+	$(PY) -m pdserve.kernels.dense_layers
 	$(PY) -c "from pdserve.common.model_files import resolve_model; print('default model:', resolve_model(None))"
 	touch $(STAMP)
 

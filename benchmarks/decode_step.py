@@ -13,10 +13,11 @@ at the best bf16/fp32 matmul rate measured: a 2048³ `mm`, and the 120 linears a
 the fast path); `step_over_floor` is the step's time over the larger of the two (issue
 target: within 1.5x at batch 1, 16 and 64).
 
-`per_token_ops` times the invariant engine's steps once more, alternating step by step
-between the C++ per-token ops (the default) and torch's kernels for them
-(`PDSERVE_FUSED_OPS=0`) in the same engine and batch, so their ratio is free of the
-machine's drift between runs.
+`layer_loop` times the invariant engine's steps again, alternating step by step between
+the decode layers in one C++ call (the default, `kernels/dense_layers.py`) and the per-op
+Python path (`PDSERVE_LAYER_LOOP=0`) in the same engine and batch, so their ratio is free of
+the machine's drift between runs; `per_token_ops` alternates, on the per-op path, between
+the C++ per-token ops (the default) and torch's kernels for them (`PDSERVE_FUSED_OPS=0`).
 
     .venv/bin/python benchmarks/decode_step.py [--threads 2] [--dtype bfloat16]
 """
@@ -35,7 +36,7 @@ import torch
 from machine import cpu_name
 
 from pdserve.common.models.linear import Linear
-from pdserve.kernels import fused_ops, invariant_gemm
+from pdserve.kernels import dense_layers, fused_ops, invariant_gemm
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M, fused qkv/gate-up
 PATHS = {"invariant": "1", "fast": "0"}
@@ -128,10 +129,10 @@ STEPS = 15  # decode steps timed per batch size (their median is reported)
 
 
 def engine_steps(
-    batches: list[int], threads: int, dtype: str, alternate_ops: bool = False
+    batches: list[int], threads: int, dtype: str, alternate: str | None = None
 ) -> dict[str, dict[str, float]]:
-    """Median step ms by batch: {"steps": ...}, and with `alternate_ops` also
-    {"torch_ops_steps": ...} from steps taken in turn with torch's per-token ops."""
+    """Median step ms by batch: {"steps": ...}, and with `alternate` (an environment switch)
+    also {"off_steps": ...} from steps taken in turn with that switch at "0"."""
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams
@@ -141,7 +142,7 @@ def engine_steps(
     # Long enough that no sequence finishes while the others are still in prefill (with 60
     # tokens, "batch 64" measured steps of about 20 sequences), and aborted once timed.
     params = SamplingParams(max_tokens=4 * CONTEXT, temperature=0, ignore_eos=True)
-    out: dict[str, dict[str, float]] = {"steps": {}, "torch_ops_steps": {}}
+    out: dict[str, dict[str, float]] = {"steps": {}, "off_steps": {}}
     for batch in batches:
         prompts = [[rng.randrange(100, 49000) for _ in range(CONTEXT)] for _ in range(batch)]
         ids = [engine.add_request(prompt, params).request_id for prompt in prompts]
@@ -149,16 +150,18 @@ def engine_steps(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
         ):
             engine.step()
-        times: dict[str, list[float]] = {"steps": [], "torch_ops_steps": []}
-        for i in range(STEPS * (2 if alternate_ops else 1)):
+        times: dict[str, list[float]] = {"steps": [], "off_steps": []}
+        for i in range(STEPS * (2 if alternate else 1)):
             running = len(engine.scheduler.running)
             assert running == batch, f"a batch-{batch} step ran {running} sequences"
-            kind = "torch_ops_steps" if i % 2 and alternate_ops else "steps"
-            os.environ[fused_ops.FUSED_ENV] = "0" if kind == "torch_ops_steps" else "1"
+            kind = "off_steps" if i % 2 and alternate else "steps"
+            if alternate:
+                os.environ[alternate] = "0" if kind == "off_steps" else "1"
             start = time.perf_counter()
             engine.step()
             times[kind].append(time.perf_counter() - start)
-        os.environ.pop(fused_ops.FUSED_ENV)
+        if alternate:
+            os.environ.pop(alternate)
         for kind, samples in times.items():
             if samples:
                 out[kind][str(batch)] = round(statistics.median(samples) * 1e3, 2)
@@ -196,8 +199,17 @@ def main() -> int:
         os.environ[invariant_gemm.INVARIANT_ENV] = flag
         steps[name] = engine_steps(batches, args.threads, args.dtype)["steps"]
     os.environ.pop(invariant_gemm.INVARIANT_ENV)
-    alternating = engine_steps(batches, args.threads, args.dtype, alternate_ops=True)
-    cpp, torch_ops = alternating["steps"], alternating["torch_ops_steps"]
+    looped = engine_steps(batches, args.threads, args.dtype, alternate=dense_layers.LOOP_ENV)
+    loop, per_op = looped["steps"], looped["off_steps"]
+    layer_loop = {
+        "loop_step_ms": loop,
+        "per_op_step_ms": per_op,
+        "loop_over_per_op_step_time": {b: round(loop[b] / per_op[b], 3) for b in loop},
+    }
+    os.environ[dense_layers.LOOP_ENV] = "0"  # torch's ops exist on the per-op path only
+    alternating = engine_steps(batches, args.threads, args.dtype, alternate=fused_ops.FUSED_ENV)
+    os.environ.pop(dense_layers.LOOP_ENV)
+    cpp, torch_ops = alternating["steps"], alternating["off_steps"]
     per_token_ops = {
         "cpp_ops_step_ms": cpp,
         "torch_ops_step_ms": torch_ops,
@@ -228,6 +240,7 @@ def main() -> int:
                 "linears_120": linears,
                 "engine_decode_step_ms_by_batch": steps,
                 "invariant_over_fast_step_time": ratios,
+                "layer_loop": layer_loop,
                 "per_token_ops": per_token_ops,
                 "matmul_gflops": rates,
                 "model_weights_read_per_step_mb": round(

@@ -46,16 +46,23 @@ def extension_for(x: torch.Tensor) -> ModuleType | None:
     return load()
 
 
-def _fast(x: torch.Tensor, multiple: int) -> ModuleType | None:
-    """The C++ add + RMSNorm and SiLU-and-multiply when they serve `x`: float32 (AVX2 + FMA)
-    or bfloat16 (AVX-512 BF16 builds) rows whose width is a multiple of `multiple`; else
-    None."""
-    ext = extension_for(x)
-    if ext is None or x.shape[-1] % multiple != 0:
+def fast_kernels(dtype: torch.dtype) -> ModuleType | None:
+    """The extension when its add + RMSNorm and SiLU-and-multiply serve `dtype` on this CPU:
+    float32 (AVX2 + FMA) or bfloat16 (AVX-512 BF16 builds); else None."""
+    ext = load()
+    if ext is None:
         return None
-    if (x.dtype == torch.float32 and ext.fast_f32) or (x.dtype == torch.bfloat16 and ext.fast_bf16):
+    if (dtype == torch.float32 and ext.fast_f32) or (dtype == torch.bfloat16 and ext.fast_bf16):
         return ext
     return None
+
+
+def _fast(x: torch.Tensor, multiple: int) -> ModuleType | None:
+    """The C++ add + RMSNorm and SiLU-and-multiply when they serve `x`: rows of a dtype
+    `fast_kernels` serves whose width is a multiple of `multiple`; else None."""
+    if extension_for(x) is None or x.shape[-1] % multiple != 0:
+        return None
+    return fast_kernels(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

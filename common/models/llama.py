@@ -38,6 +38,7 @@ from pdserve.common.models.tensor_parallel import (
     head_rows,
     sum_exact,
 )
+from pdserve.kernels import dense_layers
 from pdserve.kernels import fused_ops as fused
 
 
@@ -142,6 +143,9 @@ class LlamaForCausalLM:
                 )
             )
         self.cos_sin = self._rope_cache(config, device)
+        # The decode steps' one-call layer loop (kernels/dense_layers), made at the first
+        # decode-only step: False where it does not serve this model.
+        self._layer_stack: dense_layers.LayerStack | bool | None = None
 
     def _row_parallel(
         self, weight: torch.Tensor, bias: torch.Tensor | None
@@ -174,6 +178,12 @@ class LlamaForCausalLM:
         """Hidden states after the final norm for every token, [T, hidden]."""
         num_tokens = input_ids.shape[0]
         residual = self._embed(input_ids)
+        stack = self._layer_loop(residual, meta)
+        if stack is not None:
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+            return dense_layers.forward(stack, residual, self.final_norm, positions,
+                                        self.cos_sin, kv_cache, meta, shape, self.scale,
+                                        self.eps)  # fmt: skip
         hidden: torch.Tensor | None = None
         rotated_heads = self.num_heads + self.num_kv_heads
         for layer_idx, w in enumerate(self.layers):
@@ -195,6 +205,24 @@ class LlamaForCausalLM:
             hidden = w.mlp(x)
         assert hidden is not None
         return fused.add_rms_norm(hidden, residual, self.final_norm, self.eps)[0]
+
+    def _layer_loop(
+        self, residual: torch.Tensor, meta: AttentionMetadata
+    ) -> dense_layers.LayerStack | None:
+        """The layer stack when this step's layers run as one C++ call: a decode-only batch
+        of a dense model with no q/k/v clamp or tensor parallelism, nothing switched off."""
+        if (
+            self._layer_stack is False
+            or meta.num_decode_tokens != residual.shape[0]
+            or residual.shape[0] == 0
+            or not dense_layers.switched_on(residual)
+        ):
+            return None
+        if self._layer_stack is None:
+            eligible = self.tp is None and self.clip_qkv is None
+            stack = dense_layers.stack_for(self.layers, residual) if eligible else None
+            self._layer_stack = False if stack is None else stack
+        return self._layer_stack or None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

@@ -21,6 +21,7 @@
 
 #include <cmath>
 
+#include "entry_points.h"
 #include "exp_avx2.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -279,4 +280,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>());
+  static_assert(std::is_same_v<decltype(&add_rms_norm), pdserve_entry::AddRmsNormFn>);
+  static_assert(std::is_same_v<decltype(&rotary_), pdserve_entry::RotaryFn>);
+  static_assert(std::is_same_v<decltype(&silu_and_mul), pdserve_entry::SiluAndMulFn>);
+  m.attr("add_rms_norm_entry") =
+      pdserve_entry::capsule(&add_rms_norm, pdserve_entry::kAddRmsNorm);
+  m.attr("rotary_entry") = pdserve_entry::capsule(&rotary_, pdserve_entry::kRotary);
+  m.attr("silu_and_mul_entry") =
+      pdserve_entry::capsule(&silu_and_mul, pdserve_entry::kSiluAndMul);
 }

@@ -35,6 +35,8 @@
 #include <cstring>
 #include <vector>
 
+#include "entry_points.h"
+
 namespace {
 
 enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
@@ -653,4 +655,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("out_float32"),
           py::call_guard<py::gil_scoped_release>());
   mod.def("amx_supported", &amx_supported, "Whether this process may use AMX tiles");
+  static_assert(std::is_same_v<decltype(&invariant_gemm), pdserve_entry::GemmFn>);
+  mod.attr("invariant_gemm_entry") =
+      pdserve_entry::capsule(&invariant_gemm, pdserve_entry::kGemm);
 }

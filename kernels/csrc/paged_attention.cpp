@@ -33,6 +33,7 @@
 #include <limits>
 #include <vector>
 
+#include "entry_points.h"
 #include "paged_attention_simd.h"
 
 namespace {
@@ -484,4 +485,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "Store key/value rows into their cache slots", py::arg("kv_cache"),
         py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
         py::call_guard<py::gil_scoped_release>());
+  static_assert(std::is_same_v<decltype(&paged_attention), pdserve_entry::AttentionFn>);
+  static_assert(std::is_same_v<decltype(&write_kv), pdserve_entry::WriteKvFn>);
+  m.attr("paged_attention_entry") =
+      pdserve_entry::capsule(&paged_attention, pdserve_entry::kAttention);
+  m.attr("write_kv_entry") = pdserve_entry::capsule(&write_kv, pdserve_entry::kWriteKv);
 }
