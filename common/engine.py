@@ -37,6 +37,10 @@ from pdserve.common.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
+# A worker idle this long that still predicts a lone prompt past its TTFT target relearns its
+# step costs (LLMEngine._admit).
+RELEARN_AFTER_S = 30.0
+
 
 @dataclass
 class RequestOutput:
@@ -89,6 +93,7 @@ class LLMEngine:
         # allocator's growth, each kernel's first call, a C++ extension built on first use:
         # once ~30 s), which a least-squares fit would spread over every later prediction.
         self._cold_step_kinds = {True, False}
+        self._last_step_end = time.monotonic()  # when a step last ran (see _admit)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
             self.step_cost, config.tpot_target_ms / 1000,
@@ -159,14 +164,27 @@ class LLMEngine:
 
     def _admit(self, request: Request, ttft_target_s: float) -> None:
         wait = self.scheduler.prefill_wait_s(request)
-        if wait is not None and wait > ttft_target_s:
-            raise WorkerBusyError(
-                f"this worker's first token for a {request.num_tokens}-token prompt is "
-                f"predicted in {wait:.2f} s, past its TTFT target (--ttft-target-ms "
-                f"{ttft_target_s * 1000:g}); retry later or elsewhere",
-                reason="ttft_target",
-                retry_after_s=wait - ttft_target_s,
-            )
+        if wait is None or wait <= ttft_target_s:
+            return
+        idle_s = time.monotonic() - self._last_step_end
+        if not self.scheduler.requests and idle_s >= RELEARN_AFTER_S:
+            # Idle, and refusing a lone prompt for a while: the fit may be stale (steps
+            # measured under a neighbour's load, say), and refusing everything it would never
+            # learn otherwise. Start over, as at start-up: admit while unmeasured.
+            logger.warning(
+                "idle for %.0f s and predicting %.2f s for a lone %d-token prompt, past the "
+                "TTFT target: relearning the step costs from the next steps",
+                idle_s, wait, request.num_tokens,
+            )  # fmt: skip
+            self.step_cost.reset()
+            return
+        raise WorkerBusyError(
+            f"this worker's first token for a {request.num_tokens}-token prompt is "
+            f"predicted in {wait:.2f} s, past its TTFT target (--ttft-target-ms "
+            f"{ttft_target_s * 1000:g}); retry later or elsewhere",
+            reason="ttft_target",
+            retry_after_s=wait - ttft_target_s,
+        )
 
     def _new_request(
         self,
@@ -336,6 +354,7 @@ class LLMEngine:
                 request.first_token_time = now
             outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
         seconds = time.perf_counter() - step_start
+        self._last_step_end = time.monotonic()
         kind = prefill > 0
         if kind in self._cold_step_kinds:
             self._cold_step_kinds.discard(kind)

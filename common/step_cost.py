@@ -49,6 +49,13 @@ class StepCostModel:
         self.decodes_measured = False
         self._since_fit = 0
 
+    def reset(self) -> None:
+        """Forget every sample and the fit: predict nothing until measured again."""
+        self.samples.clear()
+        self.coefficients = None
+        self.prefill_measured = self.decodes_measured = False
+        self._since_fit = 0
+
     def record(self, decodes: int, prefill_tokens: int, attention: float, seconds: float) -> None:
         self.samples.append((1.0, float(decodes), float(prefill_tokens), attention, seconds))
         self._since_fit += 1

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine import LLMEngine
+from pdserve.common.engine import RELEARN_AFTER_S, LLMEngine
 from pdserve.common.errors import WorkerBusyError
 from pdserve.common.request import Resume
 from pdserve.common.sampling_params import SamplingParams
@@ -266,3 +266,27 @@ def test_a_workers_first_step_of_each_kind_is_not_a_sample(tiny_model_dir):
     _run(engine)
     tokens = [s[2] for s in engine.step_cost.samples]
     assert tokens == [0.0] * 6 + [100.0] + [0.0] * 7
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_an_idle_worker_refusing_a_lone_prompt_for_long_relearns_its_costs(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    lone = ONE / 2  # a target no 100-token prompt meets under the recorded costs
+    with pytest.raises(WorkerBusyError):
+        engine.add_request(_prompt(0), GREEDY, "now", ttft_target_s=lone)
+    # Long idle but with a request queued: the refusal stands (the queue is real work).
+    engine._last_step_end -= RELEARN_AFTER_S
+    engine.add_request(_prompt(1), GREEDY, "queued")
+    with pytest.raises(WorkerBusyError):
+        engine.add_request(_prompt(2), GREEDY, "behind", ttft_target_s=lone)
+    _run(engine)
+    assert engine.step_cost.coefficients is not None
+    # Idle, but the last step just ran: still refused.
+    with pytest.raises(WorkerBusyError):
+        engine.add_request(_prompt(3), GREEDY, "recent", ttft_target_s=lone)
+    # Idle for RELEARN_AFTER_S: the costs are dropped and the prompt admitted, as at start-up.
+    engine._last_step_end -= RELEARN_AFTER_S
+    engine.add_request(_prompt(4), GREEDY, "probe", ttft_target_s=lone)
+    assert engine.step_cost.coefficients is None and "probe" in engine.scheduler.requests
+    _run(engine)
+    assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
