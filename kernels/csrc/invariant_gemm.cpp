@@ -135,6 +135,23 @@ struct Ahead {
   int64_t lines = 0;
 };
 
+// `lines` cache lines from `p` on, handed out to a unit's row tiles in equal shares.
+class AheadShares {
+ public:
+  AheadShares(const void* p, int64_t lines, int64_t tiles)
+      : p_(static_cast<const char*>(p)), lines_(lines), per_tile_((lines + tiles - 1) / tiles) {}
+
+  Ahead take() {
+    const Ahead a{p_ + done_ * 64, std::min(per_tile_, lines_ - done_)};
+    done_ += a.lines;
+    return a;
+  }
+
+ private:
+  const char* p_;
+  int64_t lines_, per_tile_, done_ = 0;
+};
+
 // ------------------------------------------------------------------ FMA paths
 // The register blocks below accumulate into a local array and copy it out once at the end.
 // Accumulating straight into the caller's array made the compiler store every accumulator
@@ -400,24 +417,16 @@ AVX2_TARGET void fma_tile_avx2(const Problem& pr, const float* x, const W* w, in
 template <typename T, typename W>
 AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, int64_t bstride,
                                T* y, int64_t m0, int64_t m1, int64_t b) {
-  const int64_t tiles = (m1 - m0 + 5) / 6;
   const int64_t next = b + 1 < pr.nblocks ? bstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
-  const int64_t per_tile = (next + tiles - 1) / tiles;
-  const char* ahead = reinterpret_cast<const char*>(w + (b + 1) * bstride);
-  int64_t done = 0;
-  auto take = [&]() {
-    const Ahead a{ahead + done * 64, std::min(per_tile, next - done)};
-    done += a.lines;
-    return a;
-  };
+  AheadShares ahead(w + (b + 1) * bstride, next, (m1 - m0 + 5) / 6);
   int64_t r = m0;
-  for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b, take());
+  for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b, ahead.take());
   switch (m1 - r) {
-    case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b, take()); break;
-    case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b, take()); break;
-    case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b, take()); break;
-    case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b, take()); break;
-    case 1: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b, take()); break;
+    case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+    case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+    case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+    case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+    case 1: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b, ahead.take()); break;
     default: break;
   }
 }
@@ -456,18 +465,11 @@ BF16_TARGET void dp_rows(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
                          int64_t m1, int64_t b0, int64_t next) {
   const int64_t rows = m1 - m0;
   const int64_t tiles = rows / 8 + (rows % 8) / 4 + rows % 4;
-  const int64_t per_tile = tiles > 1 ? (next + tiles - 1) / tiles : 0;
-  const char* ahead = reinterpret_cast<const char*>(w + (b0 + NB) * bstride);
-  int64_t done = 0;
-  auto take = [&]() {
-    const Ahead a{ahead + done * 64, std::min(per_tile, next - done)};
-    done += a.lines;
-    return a;
-  };
+  AheadShares ahead(w + (b0 + NB) * bstride, tiles > 1 ? next : 0, tiles);
   int64_t r = m0;
-  for (; r + 8 <= m1; r += 8) dp_tile<T, 8, NB>(pr, x, ldx, w, bstride, y, r, b0, take());
-  for (; r + 4 <= m1; r += 4) dp_tile<T, 4, NB>(pr, x, ldx, w, bstride, y, r, b0, take());
-  for (; r < m1; ++r) dp_tile<T, 1, NB>(pr, x, ldx, w, bstride, y, r, b0, take());
+  for (; r + 8 <= m1; r += 8) dp_tile<T, 8, NB>(pr, x, ldx, w, bstride, y, r, b0, ahead.take());
+  for (; r + 4 <= m1; r += 4) dp_tile<T, 4, NB>(pr, x, ldx, w, bstride, y, r, b0, ahead.take());
+  for (; r < m1; ++r) dp_tile<T, 1, NB>(pr, x, ldx, w, bstride, y, r, b0, ahead.take());
 }
 
 // Units of 3 column blocks: an 8 x 3 tile's 24 accumulators, 3 weight vectors and the
