@@ -70,8 +70,17 @@ class StepCostModel:
         if max(with_prefill, without_prefill) < self.min_samples:
             return
         x, y = data[:, :4], data[:, 4]
-        # A feature never seen (no decodes on a prefill worker) has no weight to fit.
-        active = [i for i in range(4) if i == 0 or x[:, i].any()]
+        # A feature never seen (no decodes on a prefill worker) has no weight to fit. Nor has
+        # a stream count that never varied (a decode worker's first streams, one at a time):
+        # it cannot be told from the base, and the least-squares split of a constant batch's
+        # cost between the two (even: both columns are ~1) would predict one more stream at
+        # 1.5x the step, so admission by the TPOT target would keep the batch at one stream
+        # and never see another. The base takes it until steps differ in streams. (Prompt
+        # tokens, in the hundreds, take nearly all of a constant chunk's cost from the same
+        # split: a compute-bound step's.)
+        active = [0, *(i for i in (2, 3) if x[:, i].any())]
+        if np.ptp(x[:, 1]) > 0:
+            active.insert(1, 1)
         coefficients = np.zeros(4)
         while active:  # drop a feature whose best weight is negative, fit the rest again
             solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)

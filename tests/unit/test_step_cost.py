@@ -55,6 +55,18 @@ def test_nothing_is_predicted_before_both_kinds_of_step_were_seen():
     assert without_decodes.prefill_tokens(0, 500) == 500
 
 
+def test_steps_of_one_stream_leave_its_cost_to_the_base():
+    # A decode worker's first streams, one at a time: one more stream must not be predicted
+    # at 1.5x the step (the TPOT target's admission would then never let a second join).
+    model = StepCostModel()
+    for i in range(16):
+        model.record(1, 0, attention_pairs(300 + i, 1), 0.035)
+    assert model.predict(2, 0, 2 * attention_pairs(310, 1)) == pytest.approx(0.035, rel=0.02)
+    for i in range(16):  # then steps of two: the stream's own cost is told apart
+        model.record(2, 0, 2 * attention_pairs(300 + i, 1), 0.040)
+    assert model.predict(3, 0, 3 * attention_pairs(310, 1)) == pytest.approx(0.045, rel=0.05)
+
+
 def test_a_negative_weight_is_dropped_not_kept():
     # Steps whose time falls with attention (noise, another tenant): a least-squares weight
     # below zero would let chunks grow without bound; it is dropped and the rest refitted.
