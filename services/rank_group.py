@@ -1,7 +1,7 @@
 """Rank processes: `--expert-parallel N` or `--tensor-parallel N` makes one command N
 processes in one `torch.distributed` group (gloo on CPU, NCCL on GPU: rank r uses `cuda:r`).
 
-The command the user runs is rank 0. It picks a free port for the group's store, starts
+The command the user runs is rank 0. It opens the group's store on a free port, starts
 ranks 1..N-1 as children (`pdserve generate` with the same engine flags, or a service's own
 command line; told their rank and rank 0's address by environment), and every rank joins
 the group before it loads the model. A rank that dies ends the group: rank 0 reports which
@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
-import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.common.models.expert_parallel import init_group
+from pdserve.common.models.expert_parallel import init_group, master_store
 
 RANK_ENV = "PDSERVE_EP_RANK"
 ADDRESS_ENV = "PDSERVE_EP_ADDRESS"
@@ -79,10 +78,11 @@ def join_rank_group(
     global _group
     rank_env = os.environ.get(RANK_ENV)
     command = getattr(args, "command", "generate")
+    timeout_s = float(os.environ.get(TIMEOUT_ENV, "300"))
+    store = None
     if rank_env is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
+        store = master_store(world, timeout_s)
+        address = f"127.0.0.1:{store.port}"
         if command == "generate":
             argv = ["generate", "--input", "-", "--output", "-", "--no-progress", *engine_flags]
         else:
@@ -97,7 +97,7 @@ def join_rank_group(
     if kind == "expert" and getattr(args, "kv_offload_dir", None):
         # each expert-parallel rank has its own pool, so its own tier
         args.kv_offload_dir = os.path.join(args.kv_offload_dir, f"ep{_group.rank}")
-    init_group(_group.rank, world, address, args.device, float(os.environ.get(TIMEOUT_ENV, "300")))
+    init_group(_group.rank, world, address, args.device, timeout_s, store)
     return _group
 
 

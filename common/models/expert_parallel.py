@@ -212,18 +212,43 @@ def move_experts(
     return out[0], out[1], moved
 
 
-def init_group(rank: int, world_size: int, address: str, device: str, timeout_s: float) -> None:
-    """Join the expert-parallel group at `address` (host:port of rank 0's store): gloo for
-    CPU, NCCL for CUDA. A collective that waits longer than `timeout_s` (a rank died or
-    hangs) raises instead of waiting forever."""
+def master_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on a loopback port the bind itself picks
+    (`.port`): a port chosen first and bound later can be taken by another process in
+    between (seen in CI: EADDRINUSE while two groups started side by side)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    )  # fmt: skip
+
+
+def init_group(
+    rank: int,
+    world_size: int,
+    address: str,
+    device: str,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+) -> None:
+    """Join the group whose store is at `address` (host:port; rank 0 passes the `store` it
+    opened with `master_store`, or hosts one at `address` itself): gloo for CPU, NCCL for
+    CUDA. A collective that waits longer than `timeout_s` (a rank died or hangs) raises
+    instead of waiting forever."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(
+            host, int(port), world_size, is_master=rank == 0, timeout=timeout,
+            wait_for_workers=False,
+        )  # fmt: skip
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        init_method=f"tcp://{address}",
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
 
 
