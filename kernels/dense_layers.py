@@ -101,6 +101,9 @@ def stack_for(layers: list, hidden: torch.Tensor) -> LayerStack | None:
     paths = {getattr(lin, "path", None) for lin in linears}
     if not all(isinstance(lin, Linear) for lin in linears) or len(paths) != 1 or None in paths:
         return None
+    widths = {kind: {lin.out_features for lin in group} for kind, group in kinds.items()}
+    if any(len(w) != 1 for w in widths.values()):  # the loop takes one width per kind
+        return None
     # The C++ norm takes rows of a multiple of 16, the SiLU of 32 (fused_ops._fast).
     inter2 = layers[0].mlp.gate_up.out_features
     if hidden.shape[-1] % 16 or inter2 % 32 or fused_ops.fast_kernels(hidden.dtype) is None:
@@ -109,18 +112,18 @@ def stack_for(layers: list, hidden: torch.Tensor) -> LayerStack | None:
     if ext is None:
         return None
 
-    def dense(group: list[Linear]) -> object:
-        widths = {lin.out_features for lin in group}
-        assert len(widths) == 1, "every layer's linear of a kind has one width"
-        return ext.Dense([lin.weight for lin in group], [lin.bias for lin in group], widths.pop())
+    def dense(kind: str) -> object:
+        group = kinds[kind]
+        weights, biases = [lin.weight for lin in group], [lin.bias for lin in group]
+        return ext.Dense(weights, biases, next(iter(widths[kind])))
 
     return LayerStack(
         input_norms=[w.input_norm for w in layers],
-        qkv=dense(kinds["qkv"]),
-        o_proj=dense(kinds["o_proj"]),
+        qkv=dense("qkv"),
+        o_proj=dense("o_proj"),
         post_norms=[w.post_norm for w in layers],
-        gate_up=dense(kinds["gate_up"]),
-        down=dense(kinds["down"]),
+        gate_up=dense("gate_up"),
+        down=dense("down"),
         isa=invariant_gemm.PATHS.index(paths.pop()),
     )
 

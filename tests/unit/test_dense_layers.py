@@ -6,6 +6,8 @@ size and with q/k/v biases (qwen2)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -74,3 +76,25 @@ def test_an_override_keeps_the_per_op_path(monkeypatch) -> None:
         monkeypatch.setenv(env, value)
         assert not dense_layers.switched_on(x), env
         monkeypatch.delenv(env)
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
+def test_layers_the_loop_cannot_take_keep_the_per_op_path(tiny_model_dir) -> None:
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_tokens=512)
+    )
+    model = engine.runner.model
+    hidden = model.embed[:1]
+    assert dense_layers.stack_for(model.layers, hidden) is not None
+    # One layer's MLP of another width (the loop takes one width per kind of linear).
+    narrow = copy.copy(model.layers[1].mlp.gate_up)
+    narrow.out_features -= 32
+    layers = [copy.copy(w) for w in model.layers]
+    layers[1].mlp = copy.copy(layers[1].mlp)
+    layers[1].mlp.gate_up = narrow
+    assert dense_layers.stack_for(layers, hidden) is None
+    # A q/k norm between the projection and rotary, or a GPU tensor: not the loop's either.
+    layers = [copy.copy(w) for w in model.layers]
+    layers[0].q_norm = layers[0].k_norm = torch.ones(model.head_dim)
+    assert dense_layers.stack_for(layers, hidden) is None
+    assert dense_layers.stack_for(model.layers, hidden.to("meta")) is None
