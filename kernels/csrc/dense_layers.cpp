@@ -85,6 +85,7 @@ torch::Tensor forward(torch::Tensor residual, const Tensors& input_norms, const 
   const Kernels& k = kernels();
   TORCH_CHECK(bound(), "dense_layers: bind() the kernels first");
   const auto layers = static_cast<int64_t>(input_norms.size());
+  TORCH_CHECK(layers > 0, "dense_layers: no layers");
   for (const Dense* d : {&qkv, &o_proj, &gate_up, &down})
     TORCH_CHECK(static_cast<int64_t>(d->weights.size()) == layers &&
                     static_cast<int64_t>(d->biases.size()) == layers,

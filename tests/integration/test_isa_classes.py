@@ -1,6 +1,6 @@
 """The determinism contract on every CPU class this host can stand in for: each test runs the
-op-level invariance tests, the kernels against their references and the end-to-end greedy
-test again in its own process, with
+op-level invariance tests, the kernels against their references, the decode layer loop
+against the per-op path and the end-to-end greedy test again in its own process, with
 oneDNN (and with it pdserve's GEMM path choice) capped by ONEDNN_MAX_CPU_ISA and the C++
 kernels compiled for that class (PDSERVE_CPU_ARCH), and checks which GEMM path it took.
 A cap above the host's own class is skipped: that class is covered on such a host."""
@@ -31,6 +31,7 @@ TESTS = [
     "tests/unit/test_batch_invariance.py",
     "tests/unit/test_attention_invariance.py",
     "tests/unit/test_kernels.py",
+    "tests/unit/test_dense_layers.py",  # the decode layer loop against the per-op path
     "tests/integration/test_determinism.py::test_greedy_ids_do_not_depend_on_batch_or_chunking[auto]",
 ]
 
