@@ -42,6 +42,9 @@ is the server's `usage`); e2e = send -> end of stream. Per system and rate
   requests sent; `ttft_ok` and `tpot_ok` say which SLO gave out.
 - `max_send_lag_s`: how late the client sent a request after its scheduled arrival (should be
   milliseconds; if not, the client itself was starved of CPU).
+- `standard_client` (with `--standard-client`): the same rate driven by vLLM's `vllm bench
+  serve` against the same server, and `ours_over_standard_client` beside it
+  (benchmarks/standard_client.py).
 - `cpu`: cores in use on average during the rate: the whole machine, the system under test
   (all its processes), this client, and `other_cores` (everything else). On a shared machine
   read every figure with `other_cores` beside it: torch's OpenMP threads can slow down far
@@ -97,6 +100,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
+import standard_client  # benchmarks/standard_client.py
 from loadgen import (  # benchmarks/loadgen.py, beside this script
     CpuSample,
     Record,
@@ -438,6 +442,19 @@ def bench_system(
             if server is not None and server.proc.poll() is not None:
                 raise RuntimeError(f"{system}: the server died:\n{server.log_tail()}")
             time.sleep(PAUSE_BETWEEN_RATES_S)
+            if args.standard_client:
+                target = standard_client.Target(
+                    VLLM_VENV / "bin" / "python", base_url, model, args.model_dir
+                )
+                summary["standard_client"] = theirs = standard_client.run(
+                    target, rate, len(specs), args, window + args.drain_timeout + 120
+                )
+                if "error" not in theirs:
+                    summary["ours_over_standard_client"] = standard_client.compare(
+                        summary, theirs, len(specs)
+                    )
+                log(f"{system}: rate {rate}, vllm bench serve: {theirs}")
+                time.sleep(PAUSE_BETWEEN_RATES_S)
         result["rates"] = rates
     finally:
         if server is not None:
@@ -547,6 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache of each worker, GiB")
     g.add_argument(
+        "--standard-client",
+        action="store_true",
+        help="after our client at each rate, drive the same load with vLLM's `vllm bench "
+        "serve` (from the vLLM anchor's venv) against the same server, and set its figures "
+        "beside ours (benchmarks/standard_client.py)",
+    )
+    g.add_argument(
         "--serve-arg",
         action="append",
         default=[],
@@ -612,7 +636,10 @@ def main() -> int:
         args.systems = [*args.systems, args.name]
     if not args.systems:
         raise SystemExit("serve.py: no system to run (--systems is empty and no --base-url)")
-    if any(s in VLLM_SYSTEMS for s in args.systems) and args.model_dir is None:
+    if args.standard_client and not (VLLM_VENV / "bin" / "python").exists():
+        raise SystemExit(f"serve.py: --standard-client needs the vLLM anchor's venv at {VLLM_VENV}")
+    needs_model_dir = args.standard_client or any(s in VLLM_SYSTEMS for s in args.systems)
+    if needs_model_dir and args.model_dir is None:
         from pdserve.common.model_files import resolve_model
 
         args.model_dir = resolve_model(None)
