@@ -444,7 +444,7 @@ def bench_system(
             time.sleep(PAUSE_BETWEEN_RATES_S)
             if args.standard_client:
                 target = standard_client.Target(
-                    VLLM_VENV / "bin" / "python", base_url, model, args.model_dir
+                    system, VLLM_VENV / "bin" / "python", base_url, model, args.model_dir
                 )
                 summary["standard_client"] = theirs = standard_client.run(
                     target, rate, len(specs), args, window + args.drain_timeout + 120

@@ -46,6 +46,7 @@ def mid_and_ratio(lo: int, hi: int) -> tuple[int, float]:
 class Target:
     """A server under test, and how to reach it with vLLM's client."""
 
+    system: str  # its name in serve.py's output
     python: Path  # the vLLM anchor venv's interpreter
     base_url: str  # .../v1
     model: str  # as the server lists it
@@ -88,7 +89,7 @@ def run(
         # same prompts to a server whose prefix cache holds them.
         seed = args.seed * 10_000 + round(rate * 1000)
         argv = command(target, rate, num_prompts, args, Path(tmp), seed)
-        log_path = args.out_dir / f"vllm-bench-{target.model.replace('/', '_')}-{rate:g}.log"
+        log_path = args.out_dir / f"vllm-bench-{target.system}-{rate:g}.log"
         with log_path.open("w") as log:
             try:
                 proc = subprocess.run(
