@@ -365,9 +365,11 @@ struct Kernels {
 #endif
   }
 
-  // s[q * ld + t] = q_q . k_t for nq <= 4 queries and n keys ks elements apart.
+  // s[q * ld + t] = q_q . k_t for nq <= 4 queries and n keys ks elements apart. The AVX2
+  // kernels also prefetch `pf_lines` lines from `pf` into L2, spread over their work (the
+  // others ignore them: their callers prefetch).
   void qk(const float* qf, const T* qraw, int nq, int D, const T* k, int64_t ks, int n, float* s,
-          int64_t ld) const {
+          int64_t ld, const void* pf = nullptr, int64_t pf_lines = 0) const {
 #if defined(__AVX512F__)
     if (nc > 0) {
       with_nc(nc, [&](auto nc_) {
@@ -383,15 +385,16 @@ struct Kernels {
       return;
     }
 #elif defined(PDSERVE_ATTENTION_AVX2)
-    if (avx2) return qk_avx2<T>(qf, nq, D, k, ks, n, s, ld);
+    if (avx2) return qk_avx2<T>(qf, nq, D, k, ks, n, s, ld, pf, pf_lines);
 #endif
-    (void)qraw;
+    (void)qraw, (void)pf, (void)pf_lines;
     qk_scalar<T>(qf, nq, D, k, ks, n, s, ld);
   }
 
-  // acc[q] += sum_t p[q][t] * v_t (pb: the same weights in bf16, used when bf16_dot).
+  // acc[q] += sum_t p[q][t] * v_t (pb: the same weights in bf16, used when bf16_dot);
+  // `pf`, `pf_lines` as for qk.
   void pv(const float* p, const T* pb, int64_t ld, int nq, int D, const T* v, int64_t vs, int n,
-          float* acc) const {
+          float* acc, const void* pf = nullptr, int64_t pf_lines = 0) const {
 #if defined(__AVX512F__)
     if (nc > 0) {
       with_nc(nc, [&](auto nc_) {
@@ -413,9 +416,9 @@ struct Kernels {
       return;
     }
 #elif defined(PDSERVE_ATTENTION_AVX2)
-    if (avx2) return pv_avx2<T>(p, ld, nq, D, v, vs, n, acc);
+    if (avx2) return pv_avx2<T>(p, ld, nq, D, v, vs, n, acc, pf, pf_lines);
 #endif
-    (void)pb;
+    (void)pb, (void)pf, (void)pf_lines;
     pv_scalar<T>(p, ld, nq, D, v, vs, n, acc);
   }
 };
