@@ -36,8 +36,8 @@ using pdserve_simd::exp8;
 // Cache lines a decode kernel call prefetches into L2 while it works: `lines` lines from `p`,
 // spread evenly over the call's `steps` inner steps. Issued in one burst, the prefetches
 // stall the core until its miss buffers drain; spread, DRAM streams under the arithmetic.
-// (A synthetic read of the decode pattern, 12 KB tiles at random blocks with ~16 FMAs per
-// line on 2 threads: burst ~17 GB/s, none ~19, spread ~23, i.e. the arithmetic's own time.)
+// (benchmarks/kv_read_pattern.py, the decode pattern with ~16 FMAs per line on 2 threads:
+// burst ~17 GB/s, none ~19, spread ~23, i.e. the arithmetic's own time.)
 class Spread {
  public:
   Spread(const void* p, int64_t lines, int64_t steps)
