@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from pdserve.common.errors import PdserveError
-from pdserve.services.engine_args import add_engine_args, env, load_engine
+from pdserve.services.engine_args import add_engine_args, load_engine
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -58,10 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=int, default=None, help="default per-request sampling seed")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    add_engine_args(gen)
     # Offline nobody watches tokens stream: steps take the whole token budget, as vLLM's
     # offline engine does, unless a TPOT target is asked for.
-    gen.set_defaults(tpot_target_ms=float(env("tpot_target_ms", "0")))
+    add_engine_args(gen, tpot_target_ms="0")
 
     _add_serving_commands(sub)
 

@@ -24,7 +24,9 @@ def flag_env(name: str) -> bool:
     return env(name, "0") not in ("0", "", "false")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, tpot_target_ms: str = "50") -> None:
+    """The engine's flags; `tpot_target_ms` is the command's default TPOT target (offline
+    generation has no stream to keep within one: 0)."""
     g = p.add_argument_group("engine (each also read from PDSERVE_<NAME>)")
     g.add_argument(
         "--model",
@@ -81,7 +83,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tpot-target-ms",
         type=float,
-        default=float(env("tpot_target_ms", "50")),
+        default=float(env("tpot_target_ms", tpot_target_ms)),
         help="while streams decode, a step takes only the prompt tokens that keep it within "
         "this time per output token, by measured step costs; 0: the token budget alone "
         "(default: %(default)s)",

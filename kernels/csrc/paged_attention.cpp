@@ -244,8 +244,10 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
         // The kernels that can spread this head's share of the tile kPrefetchTiles ahead over
         // their work get it; for the others it is prefetched here.
         auto [pf, pf_lines] = share(pass * nb + b + kPrefetchTiles, h - it.h0, heads);
-        if (!spread && pf) prefetch_lines(pf, 0, pf_lines);
-        if (!spread) pf = nullptr;
+        if (!spread) {
+          if (pf) prefetch_lines(pf, 0, pf_lines);
+          pf = nullptr;
+        }
         const T* rows = blk + h * D;
         const int r0 = h * G;
         if (pass == 0) {
