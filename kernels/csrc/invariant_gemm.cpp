@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "entry_points.h"
+#include "spread_prefetch.h"
 
 namespace {
 
@@ -129,7 +130,10 @@ AVX2_TARGET inline void store8_avx2(T* dst, __m256 v, const float* bias, int n) 
   }
 }
 
-// Weight lines a register block prefetches into L2 while it works (see the row drivers).
+using pdserve_prefetch::Spread;
+
+// Weight lines a register block prefetches into L2 while it works, spread over its K loop
+// (see the row drivers).
 struct Ahead {
   const char* p = nullptr;
   int64_t lines = 0;
@@ -213,7 +217,7 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   if constexpr (std::is_same_v<W, c10::BFloat16>) {
     const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    int64_t carry = 0, line = 0;
+    Spread spread(ahead.p, ahead.lines, k / 2);
     for (int64_t p = 0; p < k / 2; ++p) {
       __m256 even[2], odd[2];
       for (int h = 0; h < 2; ++h) {
@@ -230,11 +234,10 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
           acc[r][h] = _mm256_fmadd_ps(x1, odd[h], acc[r][h]);
         }
       }
-      for (carry += ahead.lines; carry >= k / 2; carry -= k / 2, ++line)
-        _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
+      spread.step();
     }
   } else {
-    int64_t carry = 0, line = 0;
+    Spread spread(ahead.p, ahead.lines, k);
     for (int64_t q = 0; q < k; ++q) {
       __m256 w[2];
       for (int h = 0; h < 2; ++h) {
@@ -249,8 +252,7 @@ AVX2_TARGET void fma_block_avx2(const float* x, int64_t ldx, const W* b, int64_t
         acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
       }
-      for (carry += ahead.lines; carry >= k; carry -= k, ++line)
-        _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
+      spread.step();
     }
   }
   std::memcpy(out, acc, sizeof(acc));
@@ -266,7 +268,7 @@ BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  int64_t carry = 0, line = 0;
+  Spread spread(ahead.p, ahead.lines, kpairs);
   for (int64_t p = 0; p < kpairs; ++p) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(b + j * bstride + p * 32);
@@ -276,8 +278,7 @@ BF16_TARGET void dp_block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, w[j]);
     }
-    for (carry += ahead.lines; carry >= kpairs; carry -= kpairs, ++line)
-      _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
+    spread.step();
   }
   std::memcpy(out, acc, sizeof(acc));
 }

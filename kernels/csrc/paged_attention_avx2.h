@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "exp_avx2.h"
+#include "spread_prefetch.h"
 
 namespace pdserve_attention {
 
@@ -33,25 +34,9 @@ inline __m256 load8(const c10::Half* p) {
 
 using pdserve_simd::exp8;
 
-// Cache lines a decode kernel call prefetches into L2 while it works: `lines` lines from `p`,
-// spread evenly over the call's `steps` inner steps. Issued in one burst, the prefetches
-// stall the core until its miss buffers drain; spread, DRAM streams under the arithmetic.
-// (benchmarks/kv_read_pattern.py, the decode pattern with ~16 FMAs per line on 2 threads:
-// burst ~17 GB/s, none ~19, spread ~23, i.e. the arithmetic's own time.)
-class Spread {
- public:
-  Spread(const void* p, int64_t lines, int64_t steps)
-      : p_(static_cast<const char*>(p)), lines_(p ? lines : 0), steps_(steps > 0 ? steps : 1) {}
-
-  void step() {
-    for (carry_ += lines_; carry_ >= steps_; carry_ -= steps_, p_ += 64)
-      _mm_prefetch(p_, _MM_HINT_T1);
-  }
-
- private:
-  const char* p_;
-  int64_t lines_, steps_, carry_ = 0;
-};
+// A decode kernel call prefetches its head's share of the tile two ahead, spread over its
+// inner steps (spread_prefetch.h).
+using pdserve_prefetch::Spread;
 
 // Lane i of the result = sum of the 8 lanes of v[i] (pairwise hadds, then the two halves).
 inline __m256 sum8x8(const __m256* v) {
