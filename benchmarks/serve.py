@@ -40,6 +40,11 @@ is the server's `usage`); e2e = send -> end of stream. Per system and rate
   `--slo-tpot`), divided by the arrival window; at light load it approaches the offered rate,
   past a system's capacity it falls away from it. `slo_attainment` is the same count over the
   requests sent; `ttft_ok` and `tpot_ok` say which SLO gave out.
+- `first_gap_s`, `steady_tpot_s`: where TPOT goes. The first gap is first token -> second
+  (disaggregated: the prefill worker sends the first token, so the decode worker's admission
+  wait and the KV pull sit here); the steady TPOT is (last - second) / (tokens - 2).
+  `tpot_misses`: requests past the TPOT SLO, and how many of them had a steady TPOT within
+  it (the wait before the second token missed, not the decode steps).
 - `max_send_lag_s`: how late the client sent a request after its scheduled arrival (should be
   milliseconds; if not, the client itself was starved of CPU).
 - `standard_client` (with `--standard-client`): the same rate driven by vLLM's `vllm bench
@@ -434,7 +439,9 @@ def bench_system(
             log(
                 f"{system}: rate {rate}: goodput {summary['goodput_rps']} req/s "
                 f"({summary['slo_attainment']} in SLO), TTFT p90 {summary['ttft_s']['p90']} s, "
-                f"TPOT p90 {summary['tpot_s']['p90']} s, "
+                f"TPOT p90 {summary['tpot_s']['p90']} s (first gap p90 "
+                f"{summary['first_gap_s']['p90']} s, steady "
+                f"{summary['steady_tpot_s']['p90']} s), "
                 f"{summary['throughput']['output_tokens_per_s']} out tok/s, "
                 f"failed {summary['failed']}; cores: server {summary['cpu']['server_cores']}, "
                 f"others {summary['cpu']['other_cores']}"

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
 
 import grpc
 from opentelemetry import trace
@@ -20,7 +21,8 @@ from pdserve.common.engine import RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.kv_transfer import KvTransferError, TransferResult, settled
 from pdserve.common.kv_transfer.head_slices import plan
-from pdserve.common.request import Request
+from pdserve.common.request import Request, Resume
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, record_phases, tracer
 from pdserve.services.convert import (
     RETRY_AFTER_KEY,
@@ -111,7 +113,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield response
             return
         loop = self.worker.loop
-        engine = loop.engine
         rid = request.request_id
         try:
             lease_expires_s = request.kv_handle.lease_expires_at.ToNanoseconds() / 1e9
@@ -130,16 +131,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self._check(request)
             first = request.first_token_id
             resume = resume_from_proto(request)
-            req = await loop.call(
-                lambda: engine.new_prefilled_request(prompt, first, params, rid, resume)
-            )
             queue = loop.open_stream(rid)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finished = False
+        req: Request | None = None
         try:
+            arrived = loop.submit(lambda: self._arrive(prompt, first, params, rid, resume))
             try:
-                admitted = await loop.call(lambda: self.admission.submit(req))
+                req, admitted = await asyncio.shield(asyncio.wrap_future(arrived))
+            except asyncio.CancelledError:  # the caller left: whatever arrived goes back
+
+                def withdraw_arrived() -> None:  # queued after `arrived`: it has run
+                    if arrived.exception() is None:
+                        self.admission.withdraw(arrived.result()[0])
+
+                loop.submit(withdraw_arrived)
+                raise
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except AdmissionQueueFull as e:
                 self.worker.metrics.refused("max_pending")
                 await context.abort(
@@ -169,12 +179,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield _response(out)
         finally:
             loop.close_stream(rid, queue)
-            if not finished:  # refused, failed, or the caller left: give everything back
+            if not finished and req is not None:  # refused, failed, or the caller left
                 loop.submit(lambda: self.admission.withdraw(req))
             span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
             record_phases(span, req)
             if finished:
                 self.worker.metrics.request_done(req)
+
+    def _arrive(
+        self,
+        prompt: list[int],
+        first: int,
+        params: SamplingParams,
+        rid: str,
+        resume: Resume | None,
+    ) -> tuple[Request, Future[int]]:
+        """Engine thread: the prefilled request, and its admission (blocks reserved at once
+        when they fit). One call rather than two, because each call waits for a step
+        boundary: a handoff's second token then comes a step sooner. Raises
+        `InvalidRequestError`, or `AdmissionQueueFull` having given back what it made."""
+        req = self.worker.loop.engine.new_prefilled_request(prompt, first, params, rid, resume)
+        try:
+            return req, self.admission.submit(req)
+        except AdmissionQueueFull:
+            self.admission.withdraw(req)
+            raise
 
     async def _local(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext, span: Span
