@@ -179,12 +179,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield _response(out)
         finally:
             loop.close_stream(rid, queue)
-            if not finished and req is not None:  # refused, failed, or the caller left
-                loop.submit(lambda: self.admission.withdraw(req))
-            span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
-            record_phases(span, req)
-            if finished:
-                self.worker.metrics.request_done(req)
+            if req is not None:  # else refused before the engine made it, or given back there
+                if not finished:  # refused, failed, or the caller left
+                    loop.submit(lambda: self.admission.withdraw(req))
+                span.set_attribute("gen_ai.usage.output_tokens", req.num_output_tokens)
+                record_phases(span, req)
+                if finished:
+                    self.worker.metrics.request_done(req)
 
     def _arrive(
         self,

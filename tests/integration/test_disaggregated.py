@@ -223,6 +223,15 @@ def test_malformed_kv_handle_is_refused(cluster):
             list(cluster["decode_stub"].Decode(request, timeout=10))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith(field_name)
+    # A handle that passes, and a first token the engine refuses (past the vocabulary).
+    request = decode_pb2.DecodeRequest(
+        request_id="bad-first-token", prompt_token_ids=list(range(20)), first_token_id=49152,
+        sampling=greedy(), kv_handle=kv_pb2.KvHandle(**good),
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as err:
+        list(cluster["decode_stub"].Decode(request, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("first_token_id"), err.value.details()
     assert decode.free_blocks() == before
 
 
