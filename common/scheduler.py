@@ -57,6 +57,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which found
     num_preemptions: int = 0
     num_preemptions_swapped: int = 0  # of which kept their KV for the tiers
+    num_finished: int = 0  # requests that left for good (stopped, length, aborted)
 
 
 class Scheduler:
@@ -234,6 +235,7 @@ class Scheduler:
         request.status = status
         if status != RequestStatus.PREFILLED:
             self.kv_cache.free(request)
+            self.stats.num_finished += 1
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:

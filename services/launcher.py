@@ -133,7 +133,10 @@ def _run_serve(
     threads = args.threads or max(1, default_threads() // processes)
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
-    admission = ["--ttft-target-ms", str(args.ttft_target_ms)]  # workers only
+    admission = [  # workers only
+        *("--ttft-target-ms", str(args.ttft_target_ms)),
+        *("--handoff-wait-ms", str(args.handoff_wait_ms)),
+    ]
     if tls_env or coordinator_env.get("PDSERVE_PUBLIC_TLS_CERT"):
         common += ["--health-port", "0"]  # health is then checked where no certificate is asked
     children: list[ServiceChild] = []

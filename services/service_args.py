@@ -109,3 +109,13 @@ def add_admission_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> 
         "token is predicted later than this, from the prompts queued ahead of it and the "
         "measured step costs; 0: never (default: %(default)s)",
     )
+    g.add_argument(
+        "--handoff-wait-ms",
+        type=float,
+        default=float(env("handoff_wait_ms", "0") or 0),
+        help="decode workers: report saturation once a new handoff is predicted to wait "
+        "longer than this for a batch slot (from the handoffs queued here and the rate "
+        "streams leave the batch); coordinators then refuse new requests at arrival "
+        "(RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) until it clears; 0: never "
+        "(default: %(default)s)",
+    )

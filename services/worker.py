@@ -130,6 +130,8 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     loop.max_pending = args.max_pending
     if args.ttft_target_ms < 0:
         raise ValueError(f"ttft_target_ms: must be >= 0, got {args.ttft_target_ms}")
+    if args.handoff_wait_ms < 0:
+        raise ValueError(f"handoff_wait_ms: must be >= 0, got {args.handoff_wait_ms}")
     loop.ttft_target_s = args.ttft_target_ms / 1000
     model = os.path.basename(str(engine.model_dir))
     worker = Worker(
@@ -246,6 +248,7 @@ def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namesp
                 worker,
                 args.max_pending,
                 [a.strip() for a in args.prefill_workers.split(",") if a.strip()],
+                args.handoff_wait_ms / 1000,
             ),
             process.server,
         )

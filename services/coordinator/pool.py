@@ -173,6 +173,11 @@ class WorkerPool:
             self.provisional.add(chosen.address, hashes)
         return chosen  # type: ignore[return-value]
 
+    def saturated(self) -> bool:
+        """Whether every routable worker (one at least) reports itself saturated."""
+        routable = [w for w in self.workers.values() if w.routable]
+        return bool(routable) and all(w.saturated for w in routable)
+
     def local_prefill_worker(
         self, hashes: Sequence[int], num_tokens: int, max_uncached: int, blocks_needed: int,
         exclude: Collection[WorkerState] = (),
@@ -298,6 +303,7 @@ class WorkerPool:
         worker.free_blocks = report.free_blocks
         worker.total_blocks = report.total_blocks
         worker.draining = report.draining
+        worker.saturated = report.saturated
         regrouped = (report.group, report.group_size or 1) != (worker.group, worker.group_size)
         if regrouped:  # first report, or a restarted worker with other flags
             old = worker.group

@@ -174,6 +174,11 @@ class Coordinator:
                 f"coordinator: {self.handoffs_waiting} prefilled requests wait for a decode "
                 "worker to take them (every decode admission queue is full); retry later"
             )
+        if self.colocated is None and self.decode is not None and self.decode.saturated():
+            return (
+                "coordinator: every decode worker is saturated (a new handoff would wait past "
+                "its --handoff-wait-ms for a batch slot); retry later"
+            )
         return None
 
     async def generate(

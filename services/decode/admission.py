@@ -3,17 +3,26 @@ only when blocks for its prompt and first token can be allocated (reusing this w
 cached prefix), the batch has a free slot (`max_num_seqs`, counting requests still
 pulling) and a decode step with it joined is predicted within the TPOT target (by the
 step costs this worker measured; `--tpot-target-ms`). Requests that do not fit wait in a
-bounded FIFO, retried before every engine step; past the bound, new ones are refused.
-Engine thread only."""
+bounded FIFO, retried before every engine step; past the bound (`--max-pending`), new ones
+are refused. With `--handoff-wait-ms` the worker also says when it is saturated: a new
+handoff would wait longer than that for its slot (one stream leaving the batch per handoff
+ahead of it, at the rate streams have been leaving). Its status carries that to the
+coordinators, which then refuse new requests at arrival (before any prefill) instead of
+queueing every stream's second token behind a growing line. Engine thread only."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from pdserve.common.engine import LLMEngine
 from pdserve.common.request import Request
 from pdserve.common.step_cost import attention_pairs
+
+# How many recent departures from the batch the wait prediction averages over.
+DEPARTURES_KEPT = 8
 
 
 class AdmissionQueueFull(RuntimeError):
@@ -21,11 +30,22 @@ class AdmissionQueueFull(RuntimeError):
 
 
 class Admission:
-    def __init__(self, engine: LLMEngine, max_pending: int) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_pending: int,
+        max_wait_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
         self.max_pending = max_pending
+        self.max_wait_s = max_wait_s  # 0: never saturated
         self.pending: deque[tuple[Request, Future[int]]] = deque()
         self._reserved: set[Request] = set()  # blocks allocated, pull under way
+        self._clock = clock
+        # When streams left the batch (seen at step boundaries), the most recent last.
+        self._departures: deque[float] = deque(maxlen=DEPARTURES_KEPT)
+        self._finished_seen = engine.scheduler.stats.num_finished
 
     def submit(self, request: Request) -> Future[int]:
         """A future of the number of leading blocks served from the local prefix cache,
@@ -44,8 +64,33 @@ class Admission:
         self.pending.append((request, future))
         return future
 
+    def saturated(self) -> bool:
+        """Whether a new handoff is predicted to wait past `max_wait_s` for its slot."""
+        if not self.max_wait_s or not self.pending:
+            return False
+        wait = self.predicted_wait_s(len(self.pending) + 1)
+        return wait is not None and wait > self.max_wait_s
+
+    def predicted_wait_s(self, place: int) -> float | None:
+        """How long the `place`-th in line (1: the head) is predicted to wait for a slot:
+        one stream leaving the batch per place, at the rate the last few left (decaying
+        while none leaves). None until two have left."""
+        self._note_departures()
+        if len(self._departures) < 2:
+            return None
+        span = self._clock() - self._departures[0]
+        return place * span / (len(self._departures) - 1) if span > 0 else None
+
+    def _note_departures(self) -> None:
+        finished = self.engine.scheduler.stats.num_finished
+        now = self._clock()
+        for _ in range(min(finished - self._finished_seen, DEPARTURES_KEPT)):
+            self._departures.append(now)
+        self._finished_seen = finished
+
     def admit(self) -> None:
         """Housekeeping: allocate for waiting requests, oldest first, while they fit."""
+        self._note_departures()
         while self.pending:
             request, future = self.pending[0]
             if future.cancelled():

@@ -63,10 +63,14 @@ _REFUSALS = {
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
-        self, worker: Worker, max_pending: int, prefill_workers: Iterable[str] = ()
+        self,
+        worker: Worker,
+        max_pending: int,
+        prefill_workers: Iterable[str] = (),
+        max_wait_s: float = 0.0,
     ) -> None:
         self.worker = worker
-        self.admission = Admission(worker.loop.engine, max_pending)
+        self.admission = Admission(worker.loop.engine, max_pending, max_wait_s)
         worker.loop.housekeeping.append(self._housekeeping)
         self.peers = PrefillPeers(prefill_workers)
 
@@ -86,6 +90,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def _housekeeping(self) -> None:
         self.admission.admit()
         self.worker.metrics.extra_waiting = len(self.admission.pending)
+        self.worker.metrics.saturated = self.admission.saturated()
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext

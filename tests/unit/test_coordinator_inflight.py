@@ -83,3 +83,57 @@ def test_the_limit_counts_requests_still_being_tokenized() -> None:
         assert coordinator.inflight == 0
 
     asyncio.run(main())
+
+
+def test_new_requests_are_refused_while_every_decode_worker_is_saturated() -> None:
+    """A decode worker reports `saturated` (a new handoff would wait past its
+    `--handoff-wait-ms`): while every routable one does, a new request is refused at
+    arrival (RESOURCE_EXHAUSTED with a retry hint), before the tokenizer or any prefill."""
+    from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
+    from pdserve.v1 import worker_pb2
+
+    async def main() -> None:
+        frontend = BlockedFrontend()
+        frontend.release.set()
+        decode = WorkerPool("decode", [], lambda c: c)
+        prefill = WorkerPool("prefill", [], lambda c: c, wait_for_worker_s=0)  # none: 503
+        workers = [WorkerEndpoint(f"10.0.0.{i}:5000") for i in (1, 2)]
+        for worker in workers:
+            decode.workers[worker.address] = worker
+        coordinator = Coordinator(
+            frontend,  # type: ignore[arg-type]
+            prefill=prefill,
+            decode=decode,
+            worker_id="saturation-test",
+        )
+
+        async def outcome() -> grpc.StatusCode | None:
+            try:
+                async for _ in coordinator.generate(generate_pb2.GenerateRequest(prompt="x")):
+                    pass
+            except RequestFailed as e:
+                return e.code
+            return None
+
+        def report(worker: WorkerEndpoint, saturated: bool) -> None:
+            decode._apply(worker, worker_pb2.WatchResponse(saturated=saturated))
+
+        report(workers[0], True)
+        entered = frontend.entered
+        assert await outcome() == grpc.StatusCode.UNAVAILABLE  # the other one is not: taken
+        assert frontend.entered == entered + 1  # (then no prefill worker to serve it)
+        report(workers[1], True)
+        with pytest.raises(RequestFailed) as refused:
+            async for _ in coordinator.generate(generate_pb2.GenerateRequest(prompt="x")):
+                pass
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "saturated" in refused.value.message and refused.value.retry_after_s == 1
+        assert frontend.entered == entered + 1  # refused before the tokenizer
+        workers[1].draining = True  # saturated or leaving: still none to take it
+        assert await outcome() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        report(workers[0], False)  # cleared
+        assert await outcome() == grpc.StatusCode.UNAVAILABLE
+        await decode.close()
+        await prefill.close()
+
+    asyncio.run(main())

@@ -114,6 +114,9 @@ class Pool:
     def failed(self, worker) -> None:
         self.failures += 1
 
+    def saturated(self) -> bool:
+        return False
+
 
 def coordinator_over(stub: Stub) -> Coordinator:
     """A coordinator whose prefill and decode pools are one stand-in worker on `stub`."""

@@ -128,3 +128,42 @@ def test_admission_counts_pulls_against_max_num_seqs(tiny_model_dir):
     assert waiting.result(0) == 0
     admission.withdraw(b)
     assert engine.kv_cache.num_free_blocks == 64
+
+
+def test_admission_saturates_when_a_handoff_would_wait_past_the_bound(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", threads=1,
+                     kv_cache_tokens=1024, max_num_seqs=1)
+    )  # fmt: skip
+    all_free = engine.kv_cache.num_free_blocks
+    now = [0.0]
+    admission = Admission(engine, max_pending=8, max_wait_s=3.0, clock=lambda: now[0])
+    req = {
+        rid: engine.new_prefilled_request(list(range(200 + 50 * i, 240 + 50 * i)), 5, GREEDY, rid)
+        for i, rid in enumerate("abcde")
+    }
+    assert admission.predicted_wait_s(1) is None  # no stream has left the batch yet
+    for rid, t in (("a", 0.0), ("b", 2.0)):  # two streams join and leave, 2 s apart
+        now[0] = t
+        assert admission.submit(req[rid]).result(0) == 0
+        admission.start(req[rid])
+        admission.withdraw(req[rid])  # aborted in the batch: it left
+        admission.admit()  # the next step boundary sees it gone
+    assert admission.predicted_wait_s(1) == 2.0
+    assert admission.submit(req["c"]).result(0) == 0
+    admission.start(req["c"])  # the one batch slot
+    assert not admission.saturated()  # nobody waits: a new handoff would be first in line
+    head = admission.submit(req["d"])
+    assert admission.saturated()  # a new one would be second in line: 4 s, past 3 s
+    second = admission.submit(req["e"])  # saturation refuses nothing here: handoffs queue
+    now[0] = 4.0  # no stream left since: the rate decays, 2 s -> 4 s a place
+    assert admission.predicted_wait_s(1) == 4.0
+    admission.max_wait_s = 0  # no bound: never saturated
+    assert not admission.saturated()
+    admission.withdraw(req["c"])  # c leaves: the head gets its slot, the second waits on
+    admission.admit()
+    assert head.result(0) == 0 and not second.done()
+    for rid in "de":
+        admission.withdraw(req[rid])
+    assert second.cancelled() and not admission.pending
+    assert engine.kv_cache.num_free_blocks == all_free

@@ -44,7 +44,8 @@ def fake_worker() -> SimpleNamespace:
     loop.engine = engine  # type: ignore[attr-defined]
     return SimpleNamespace(
         loop=loop, worker_id="w", role="prefill", group="", group_rank=0, group_size=1,
-        address="10.0.0.7:50061", metrics=SimpleNamespace(extra_waiting=0, labels=LABELS),
+        address="10.0.0.7:50061",
+        metrics=SimpleNamespace(extra_waiting=0, saturated=False, labels=LABELS),
     )  # fmt: skip
 
 
