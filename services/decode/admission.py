@@ -74,8 +74,7 @@ class Admission:
     def predicted_wait_s(self, place: int) -> float | None:
         """How long the `place`-th in line (1: the head) is predicted to wait for a slot:
         one stream leaving the batch per place, at the rate the last few left (decaying
-        while none leaves). None until two have left."""
-        self._note_departures()
+        while none leaves), as of the last `admit`. None until two have left."""
         if len(self._departures) < 2:
             return None
         span = self._clock() - self._departures[0]
