@@ -5,7 +5,10 @@ waiting, free blocks), and sends them to every watcher; a new watcher's first re
 the cache is the whole index, so a restarted coordinator rebuilds its view from the truth.
 While one step runs longer than `HEARTBEAT_S`, the last load is sent again meanwhile, so a
 coordinator does not take a busy worker for a dead one. Draining (SIGTERM)
-is reported at once, so routers stop sending new work before the worker goes away.
+is reported at once, so routers stop sending new work before the worker goes away. If taking
+a report fails, every watcher's stream ends with UNAVAILABLE naming the failure (its cache
+view may have missed changes; its coordinator reconnects and gets the whole index again),
+and the hub goes on with the next round.
 
 Bounded for every watcher: the interval is the worker's (`--status-interval`), a watcher
 that stops reading has at most `WATCHER_QUEUE` reports queued (past that its queue is
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -41,6 +45,17 @@ HEARTBEAT_S = 1.0  # while a step runs longer, the last load is reported this of
 # A cache's (stored?, hash) changes since the last report, and its whole index when asked.
 Changes = tuple[list[tuple[bool, int]], list[int] | None]
 NO_CHANGES: tuple[Changes, Changes, Changes] = (([], None), ([], None), ([], None))
+logger = logging.getLogger(__name__)
+
+
+class CollectFailed:
+    """Put on a watcher's queue in place of a report: its stream ends with this reason."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+Item = worker_pb2.WatchResponse | CollectFailed | None  # None: the stream ends cleanly
 
 
 class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
@@ -53,7 +68,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             if tier is not None:
                 tier.record_events()
         self.block_size = engine.kv_cache.block_size
-        self._watchers: dict[int, asyncio.Queue[worker_pb2.WatchResponse | None]] = {}
+        self._watchers: dict[int, asyncio.Queue[Item]] = {}
         self._fresh: set[int] = set()  # watchers whose first report (the index) is due
         self._interval = max(MIN_INTERVAL_S, interval_s)
         self.resyncs = 0  # lagging watchers sent a fresh snapshot instead of a backlog
@@ -97,35 +112,46 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 trailing_metadata=((RETRY_AFTER_KEY, str(RETRY_AFTER_S)),),
             )
         key = id(context)
-        queue: asyncio.Queue[worker_pb2.WatchResponse | None] = asyncio.Queue(WATCHER_QUEUE)
+        queue: asyncio.Queue[Item] = asyncio.Queue(WATCHER_QUEUE)
         self._watchers[key] = queue
         self._fresh.add(key)
         self._wake.set()
         try:
             while (report := await queue.get()) is not None:
+                if isinstance(report, CollectFailed):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, report.reason)
                 yield report
         finally:
             self._watchers.pop(key, None)
             self._fresh.discard(key)
 
     async def _run(self) -> None:
-        loop = self.worker.loop
         while True:
             with contextlib.suppress(TimeoutError):
                 wait = self._interval if self._watchers else IDLE_DRAIN_S
                 await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
-            fresh = set(self._fresh)
-            self._fresh.clear()
-            collecting = asyncio.ensure_future(loop.call(lambda f=bool(fresh): self._collect(f)))
-            # The engine thread answers between steps, and one step can outlast a
-            # coordinator's patience (STALE_AFTER_S: a long prefill chunk on one slow core).
-            # Meanwhile the last load goes out every HEARTBEAT_S, with no cache changes, so
-            # a busy worker is not taken for a dead one; fresh watchers get their index after.
-            while not (await asyncio.wait({collecting}, timeout=HEARTBEAT_S))[0]:
-                self._send(set(), NO_CHANGES, self._last_load)
-            changes, self._last_load = collecting.result()
-            self._send(fresh, changes, self._last_load)
+            try:
+                await self._report()
+            except Exception as e:
+                logger.exception("taking a status report failed")
+                for queue in self._watchers.values():
+                    _end(queue, CollectFailed(f"this worker could not take its status: {e!r:.200}"))
+
+    async def _report(self) -> None:
+        """One round: the changes and load from the engine thread, to every watcher."""
+        loop = self.worker.loop
+        fresh = set(self._fresh)
+        self._fresh.clear()
+        collecting = asyncio.ensure_future(loop.call(lambda f=bool(fresh): self._collect(f)))
+        # The engine thread answers between steps, and one step can outlast a
+        # coordinator's patience (STALE_AFTER_S: a long prefill chunk on one slow core).
+        # Meanwhile the last load goes out every HEARTBEAT_S, with no cache changes, so
+        # a busy worker is not taken for a dead one; fresh watchers get their index after.
+        while not (await asyncio.wait({collecting}, timeout=HEARTBEAT_S))[0]:
+            self._send(set(), NO_CHANGES, self._last_load)
+        changes, self._last_load = collecting.result()
+        self._send(fresh, changes, self._last_load)
 
     def _send(self, fresh: set[int], changes: tuple[Changes, Changes, Changes], load: dict) -> None:
         """One report to every watcher: the whole indexes to the `fresh` ones, else the
@@ -197,8 +223,8 @@ def _changes(tier: DiskTier | HostTier | None, with_index: bool) -> Changes:
     return tier.drain_events(), tier.held_hashes() if with_index else None
 
 
-def _end(queue: asyncio.Queue[worker_pb2.WatchResponse | None]) -> None:
-    """End a watcher's stream, even when its queue is full."""
+def _end(queue: asyncio.Queue[Item], last: CollectFailed | None = None) -> None:
+    """End a watcher's stream (with `last`'s reason, if given), even when its queue is full."""
     while queue.full():
         queue.get_nowait()
-    queue.put_nowait(None)
+    queue.put_nowait(last)

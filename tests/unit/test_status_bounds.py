@@ -158,3 +158,35 @@ def test_a_step_longer_than_the_heartbeat_still_reports_the_load(monkeypatch) ->
         await hub.stop()
 
     asyncio.run(main())
+
+
+def test_a_failed_report_ends_every_stream_and_the_hub_goes_on() -> None:
+    """Taking a report can fail on the engine thread; the watchers' cache views may then have
+    missed changes, so every stream ends with UNAVAILABLE naming the failure (a coordinator
+    takes the worker out of routing and reconnects), and the next watcher is served again
+    from a whole index: the hub does not die with the failed round."""
+
+    async def main() -> None:
+        worker = fake_worker()
+        hub = StatusHub(worker, interval_s=0.05)  # type: ignore[arg-type]
+        hub.start()
+        watchers = [hub.Watch(worker_pb2.WatchRequest(), Context()) for _ in range(2)]
+        for w in watchers:
+            assert (await asyncio.wait_for(anext(w), 5)).reset
+        pool = worker.loop.engine.kv_cache.pool
+        pool.drain_events = lambda: 1 / 0  # type: ignore[method-assign]
+        for w in watchers:
+            with pytest.raises(Aborted) as e:
+                while True:  # reports taken before the failure may come first
+                    await asyncio.wait_for(anext(w), 5)
+            assert e.value.args[0] == grpc.StatusCode.UNAVAILABLE
+            assert "ZeroDivisionError" in e.value.args[1]
+        assert not hub._watchers
+        del pool.drain_events  # the class's again
+        again = hub.Watch(worker_pb2.WatchRequest(), Context())
+        report = await asyncio.wait_for(anext(again), 5)
+        assert report.reset and list(report.stored) == [11, 22]
+        await again.aclose()
+        await hub.stop()
+
+    asyncio.run(main())
