@@ -5,8 +5,9 @@ pulling) and a decode step with it joined is predicted within the TPOT target (b
 step costs this worker measured; `--tpot-target-ms`). Requests that do not fit wait in a
 bounded FIFO, retried before every engine step; past the bound (`--max-pending`), new ones
 are refused. With `--handoff-wait-ms` the worker also says when it is saturated: a new
-handoff would wait longer than that for its slot (one stream leaving the batch per handoff
-ahead of it, at the rate streams have been leaving). Its status carries that to the
+handoff would wait longer than that for its slot, at the rate the line's head has been
+getting one since the line formed (one leaving stream can free blocks for several), or,
+until two have, at the rate streams have been leaving the batch. Its status carries that to the
 coordinators, which then refuse new requests at arrival (before any prefill) instead of
 queueing every stream's second token behind a growing line. Engine thread only."""
 
@@ -21,8 +22,8 @@ from pdserve.common.engine import LLMEngine
 from pdserve.common.request import Request
 from pdserve.common.step_cost import attention_pairs
 
-# How many recent departures from the batch the wait prediction averages over.
-DEPARTURES_KEPT = 8
+# How many recent departures from the batch, and grants to the line, the prediction keeps.
+EVENTS_KEPT = 8
 
 
 class AdmissionQueueFull(RuntimeError):
@@ -44,7 +45,9 @@ class Admission:
         self._reserved: set[Request] = set()  # blocks allocated, pull under way
         self._clock = clock
         # When streams left the batch (seen at step boundaries), the most recent last.
-        self._departures: deque[float] = deque(maxlen=DEPARTURES_KEPT)
+        self._departures: deque[float] = deque(maxlen=EVENTS_KEPT)
+        # When the line's head got its slot, since the line last formed.
+        self._grants: deque[float] = deque(maxlen=EVENTS_KEPT)
         self._finished_seen = engine.scheduler.stats.num_finished
 
     def submit(self, request: Request) -> Future[int]:
@@ -72,24 +75,21 @@ class Admission:
         return wait is not None and wait > self.max_wait_s
 
     def predicted_wait_s(self, place: int) -> float | None:
-        """How long the `place`-th in line (1: the head) is predicted to wait for a slot:
-        one stream leaving the batch per place, at the rate the last few left (decaying
-        while none leaves), as of the last `admit`. None until two have left."""
-        if len(self._departures) < 2:
-            return None
-        span = self._clock() - self._departures[0]
-        return place * span / (len(self._departures) - 1) if span > 0 else None
-
-    def _note_departures(self) -> None:
-        finished = self.engine.scheduler.stats.num_finished
-        now = self._clock()
-        for _ in range(min(finished - self._finished_seen, DEPARTURES_KEPT)):
-            self._departures.append(now)
-        self._finished_seen = finished
+        """How long the `place`-th in line (1: the head) is predicted to wait for a slot, as
+        of the last `admit`: `place` grants at the rate the line has been granted slots since
+        it formed, or, until that rate is known, `place` departures at the rate the last few
+        streams left the batch. Either rate decays while nothing happens. None until known."""
+        per_place = _seconds_apart(self._grants, self._clock())
+        if per_place is None:
+            per_place = _seconds_apart(self._departures, self._clock())
+        return None if per_place is None else place * per_place
 
     def admit(self) -> None:
         """Housekeeping: allocate for waiting requests, oldest first, while they fit."""
-        self._note_departures()
+        now = self._clock()
+        finished = self.engine.scheduler.stats.num_finished
+        self._departures.extend([now] * min(finished - self._finished_seen, EVENTS_KEPT))
+        self._finished_seen = finished
         while self.pending:
             request, future = self.pending[0]
             if future.cancelled():
@@ -99,11 +99,13 @@ class Admission:
             if num_cached is None:
                 return
             self.pending.popleft()
+            self._grants.append(now)
             if future.set_running_or_notify_cancel():
                 future.set_result(num_cached)
             else:
                 self._reserved.discard(request)
                 self.engine.free_request(request)
+        self._grants.clear()  # no line: the next one's rate is its own
 
     def start(self, request: Request) -> None:
         """The pull is done: the request joins the running batch."""
@@ -148,3 +150,12 @@ class Admission:
         attention = sum(attention_pairs(r.num_tokens - 1, 1) for r in (*batch, request))
         seconds = model.predict(len(batch) + 1, 0, attention)
         return seconds is None or seconds <= target
+
+
+def _seconds_apart(events: deque[float], now: float) -> float | None:
+    """The mean time per event since the oldest kept (events at one moment count together:
+    one departure can let several in at once); None until one came after the oldest."""
+    if not events or now <= events[0]:
+        return None
+    later = sum(1 for t in events if t > events[0])
+    return (now - events[0]) / later if later else None

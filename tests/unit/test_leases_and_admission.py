@@ -167,3 +167,49 @@ def test_admission_saturates_when_a_handoff_would_wait_past_the_bound(tiny_model
         admission.withdraw(req[rid])
     assert second.cancelled() and not admission.pending
     assert engine.kv_cache.num_free_blocks == all_free
+
+
+def test_the_wait_prediction_follows_the_lines_grants_where_blocks_are_the_limit(
+    tiny_model_dir,
+):
+    """Where KV blocks, not batch slots, hold the line, one stream leaving can let several in:
+    once the line has been granted slots twice, its wait is predicted at that rate, not at
+    one per departure (which would call the worker saturated three times too early)."""
+    engine = _engine(tiny_model_dir, tokens=512)  # 32 blocks of 16
+    all_free = engine.kv_cache.num_free_blocks
+    now = [0.0]
+    admission = Admission(engine, max_pending=16, max_wait_s=3.0, clock=lambda: now[0])
+    big = {
+        rid: engine.new_prefilled_request(
+            list(range(1000 + 200 * i, 1150 + 200 * i)), 5, GREEDY, rid
+        )
+        for i, rid in enumerate("XY")
+    }  # 10 blocks each
+    small = [
+        engine.new_prefilled_request(list(range(3000 + 50 * i, 3040 + 50 * i)), 5, GREEDY, f"s{i}")
+        for i in range(13)
+    ]  # 3 blocks each
+    for request in (*big.values(), *small[:4]):
+        assert admission.submit(request).result(0) == 0
+        admission.start(request)
+    assert engine.kv_cache.num_free_blocks == 0
+    line = [admission.submit(request) for request in small[4:]]
+    assert not any(f.done() for f in line)
+    for t, rid, granted in ((0.0, "X", 3), (2.0, "Y", 6)):  # each big leaving lets 3 in
+        now[0] = t
+        admission.withdraw(big[rid])
+        admission.admit()
+        assert sum(f.done() for f in line) == granted
+    # Two departures 2 s apart; the line got 3 slots in those 2 s: 2/3 s a place. A new
+    # handoff would be 4th in line: 2.7 s, within the 3 s bound (4 departures: 8 s).
+    assert admission.predicted_wait_s(4) == pytest.approx(8 / 3)
+    assert not admission.saturated()
+    now[0] = 5.0  # nothing granted since: the rate decays, 5/3 s a place
+    assert admission.predicted_wait_s(1) == pytest.approx(5 / 3) and admission.saturated()
+    for request in small[9:]:  # the line empties: its rate goes with it
+        admission.withdraw(request)
+    admission.admit()
+    assert admission.predicted_wait_s(1) == pytest.approx(5 / 1)  # the departures' again
+    for request in small[:9]:
+        admission.withdraw(request)
+    assert engine.kv_cache.num_free_blocks == all_free
