@@ -6,9 +6,9 @@ the cache is the whole index, so a restarted coordinator rebuilds its view from 
 While one step runs longer than `HEARTBEAT_S`, the last load is sent again meanwhile, so a
 coordinator does not take a busy worker for a dead one. Draining (SIGTERM)
 is reported at once, so routers stop sending new work before the worker goes away. If taking
-a report fails, every watcher's stream ends with UNAVAILABLE naming the failure (its cache
-view may have missed changes; its coordinator reconnects and gets the whole index again),
-and the hub goes on with the next round.
+a report fails, the stream of every watcher there when the round began ends with UNAVAILABLE
+naming the failure (its cache view may have missed changes; its coordinator reconnects and
+gets the whole index again), and the hub goes on with the next round.
 
 Bounded for every watcher: the interval is the worker's (`--status-interval`), a watcher
 that stops reading has at most `WATCHER_QUEUE` reports queued (past that its queue is
@@ -78,6 +78,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         self._wake = asyncio.Event()
         self.draining = False
         self._last_load: dict = {}  # the load of the last report (none before the first)
+        self._failure = ""  # the last failed round's error, logged in full once
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -88,8 +89,8 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for queue in self._watchers.values():
-            _end(queue)
+        for key in list(self._watchers):
+            self._end(key)
 
     async def drain(self, _grace_s: float) -> None:
         """Tell every watcher now that this worker takes nothing new, then end their streams
@@ -97,8 +98,8 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         self.draining = True
         self._wake.set()
         await asyncio.sleep(2 * self._interval + 0.05)  # the draining report goes out
-        for queue in self._watchers.values():
-            _end(queue)
+        for key in list(self._watchers):
+            self._end(key)
 
     async def Watch(
         self, request: worker_pb2.WatchRequest, context: grpc.aio.ServicerContext
@@ -131,12 +132,17 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
                 wait = self._interval if self._watchers else IDLE_DRAIN_S
                 await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
+            watching = set(self._watchers)  # who could miss this round's changes
             try:
                 await self._report()
+                self._failure = ""
             except Exception as e:
-                logger.exception("taking a status report failed")
-                for queue in self._watchers.values():
-                    _end(queue, CollectFailed(f"this worker could not take its status: {e!r:.200}"))
+                reason = f"this worker could not take its status: {e!r:.200}"
+                if reason != self._failure:  # a failure that repeats is logged once
+                    logger.exception("taking a status report failed")
+                self._failure = reason
+                for key in watching & set(self._watchers):
+                    self._end(key, CollectFailed(reason))
 
     async def _report(self) -> None:
         """One round: the changes and load from the engine thread, to every watcher."""
@@ -148,8 +154,11 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         # coordinator's patience (STALE_AFTER_S: a long prefill chunk on one slow core).
         # Meanwhile the last load goes out every HEARTBEAT_S, with no cache changes, so
         # a busy worker is not taken for a dead one; fresh watchers get their index after.
-        while not (await asyncio.wait({collecting}, timeout=HEARTBEAT_S))[0]:
-            self._send(set(), NO_CHANGES, self._last_load)
+        try:
+            while not (await asyncio.wait({collecting}, timeout=HEARTBEAT_S))[0]:
+                self._send(set(), NO_CHANGES, self._last_load)
+        finally:
+            collecting.cancel()  # only if a heartbeat failed: it has its result otherwise
         changes, self._last_load = collecting.result()
         self._send(fresh, changes, self._last_load)
 
@@ -199,6 +208,15 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             else:
                 queue.put_nowait(report)
 
+    def _end(self, key: int, last: CollectFailed | None = None) -> None:
+        """End a watcher's stream (with `last`'s reason, if given), even when its queue is
+        full; it gets no report after that, so nothing can push its end out of the queue."""
+        queue = self._watchers.pop(key)
+        self._fresh.discard(key)
+        while queue.full():
+            queue.get_nowait()
+        queue.put_nowait(last)
+
     def _collect(self, with_index: bool) -> tuple[tuple[Changes, Changes, Changes], dict]:
         """On the engine thread: the pool's, the disk tier's and the host tier's changes (and
         whole indexes if asked), and the load."""
@@ -221,10 +239,3 @@ def _changes(tier: DiskTier | HostTier | None, with_index: bool) -> Changes:
     if tier is None:
         return [], None
     return tier.drain_events(), tier.held_hashes() if with_index else None
-
-
-def _end(queue: asyncio.Queue[Item], last: CollectFailed | None = None) -> None:
-    """End a watcher's stream (with `last`'s reason, if given), even when its queue is full."""
-    while queue.full():
-        queue.get_nowait()
-    queue.put_nowait(last)

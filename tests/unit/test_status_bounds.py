@@ -160,29 +160,39 @@ def test_a_step_longer_than_the_heartbeat_still_reports_the_load(monkeypatch) ->
     asyncio.run(main())
 
 
-def test_a_failed_report_ends_every_stream_and_the_hub_goes_on() -> None:
+def test_a_failed_report_ends_every_stream_and_the_hub_goes_on(monkeypatch, caplog) -> None:
     """Taking a report can fail on the engine thread; the watchers' cache views may then have
     missed changes, so every stream ends with UNAVAILABLE naming the failure (a coordinator
-    takes the worker out of routing and reconnects), and the next watcher is served again
-    from a whole index: the hub does not die with the failed round."""
+    takes the worker out of routing and reconnects), a lagging watcher's included (later
+    rounds must not push its end out of its full queue); a failure that repeats is logged
+    once; and the next watcher is served again from a whole index: the hub goes on."""
+    monkeypatch.setattr(status, "WATCHER_QUEUE", 4)
+
+    async def ends_unavailable(stream, reports: int = 40) -> None:
+        with pytest.raises(Aborted) as e:
+            for _ in range(reports):  # reports queued before the failure come first
+                await asyncio.wait_for(anext(stream), 5)
+        assert e.value.args[0] == grpc.StatusCode.UNAVAILABLE
+        assert "ZeroDivisionError" in e.value.args[1]
 
     async def main() -> None:
         worker = fake_worker()
         hub = StatusHub(worker, interval_s=0.05)  # type: ignore[arg-type]
         hub.start()
-        watchers = [hub.Watch(worker_pb2.WatchRequest(), Context()) for _ in range(2)]
-        for w in watchers:
-            assert (await asyncio.wait_for(anext(w), 5)).reset
+        reader, lagging = (hub.Watch(worker_pb2.WatchRequest(), Context()) for _ in range(2))
+        for stream in (reader, lagging):
+            assert (await asyncio.wait_for(anext(stream), 5)).reset
+        await asyncio.sleep(0.5)  # the lagging one's queue fills
         pool = worker.loop.engine.kv_cache.pool
         pool.drain_events = lambda: 1 / 0  # type: ignore[method-assign]
-        for w in watchers:
-            with pytest.raises(Aborted) as e:
-                while True:  # reports taken before the failure may come first
-                    await asyncio.wait_for(anext(w), 5)
-            assert e.value.args[0] == grpc.StatusCode.UNAVAILABLE
-            assert "ZeroDivisionError" in e.value.args[1]
-        assert not hub._watchers
+        await ends_unavailable(reader)
+        await ends_unavailable(hub.Watch(worker_pb2.WatchRequest(), Context()))  # again
+        failed = [r for r in caplog.records if r.getMessage() == "taking a status report failed"]
+        assert len(failed) == 1
         del pool.drain_events  # the class's again
+        await asyncio.sleep(0.3)  # rounds that succeed
+        await ends_unavailable(lagging, reports=status.WATCHER_QUEUE + 1)
+        assert not hub._watchers
         again = hub.Watch(worker_pb2.WatchRequest(), Context())
         report = await asyncio.wait_for(anext(again), 5)
         assert report.reset and list(report.stored) == [11, 22]
