@@ -7,9 +7,10 @@ bounded FIFO, retried before every engine step; past the bound (`--max-pending`)
 are refused. With `--handoff-wait-ms` the worker also says when it is saturated: a new
 handoff would wait longer than that for its slot, at the rate the line's head has been
 getting one since the line formed (one leaving stream can free blocks for several), or,
-until two have, at the rate streams have been leaving the batch. Its status carries that to the
-coordinators, which then refuse new requests at arrival (before any prefill) instead of
-queueing every stream's second token behind a growing line. Engine thread only."""
+until that is known, at the rate streams have been leaving the batch. Its status carries
+that to the coordinators, which then refuse new requests at arrival (before any prefill)
+instead of queueing every stream's second token behind a growing line. Engine thread
+only."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class Admission:
                 f"{len(self.pending)} requests already wait for KV blocks on this decode "
                 f"worker (max_pending {self.max_pending}); retry later or elsewhere"
             )
+        if not self.pending:  # a line forms: its rate is its own
+            self._grants.clear()
         self.pending.append((request, future))
         return future
 
@@ -76,9 +79,10 @@ class Admission:
 
     def predicted_wait_s(self, place: int) -> float | None:
         """How long the `place`-th in line (1: the head) is predicted to wait for a slot, as
-        of the last `admit`: `place` grants at the rate the line has been granted slots since
-        it formed, or, until that rate is known, `place` departures at the rate the last few
-        streams left the batch. Either rate decays while nothing happens. None until known."""
+        of the last `admit`: `place` grants at the rate of the line's last few grants since it
+        formed, or, until it has had grants at two moments, `place` departures at the rate
+        of the last few streams to leave the batch since it was last idle (those of one step
+        count as one moment). Either rate decays while nothing happens. None until known."""
         per_place = _seconds_apart(self._grants, self._clock())
         if per_place is None:
             per_place = _seconds_apart(self._departures, self._clock())
@@ -87,9 +91,15 @@ class Admission:
     def admit(self) -> None:
         """Housekeeping: allocate for waiting requests, oldest first, while they fit."""
         now = self._clock()
-        finished = self.engine.scheduler.stats.num_finished
+        scheduler = self.engine.scheduler
+        finished = scheduler.stats.num_finished
         self._departures.extend([now] * min(finished - self._finished_seen, EVENTS_KEPT))
         self._finished_seen = finished
+        self._grant_line(now)
+        if not scheduler.running and not self._reserved:  # idle: the old rate says nothing
+            self._departures.clear()
+
+    def _grant_line(self, now: float) -> None:
         while self.pending:
             request, future = self.pending[0]
             if future.cancelled():
@@ -99,13 +109,12 @@ class Admission:
             if num_cached is None:
                 return
             self.pending.popleft()
-            self._grants.append(now)
             if future.set_running_or_notify_cancel():
+                self._grants.append(now)
                 future.set_result(num_cached)
             else:
                 self._reserved.discard(request)
                 self.engine.free_request(request)
-        self._grants.clear()  # no line: the next one's rate is its own
 
     def start(self, request: Request) -> None:
         """The pull is done: the request joins the running batch."""

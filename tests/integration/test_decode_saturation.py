@@ -1,7 +1,8 @@
 """Decode saturation on real processes: a decode worker with one batch slot and
-`--handoff-wait-ms` reports itself saturated once a handoff queues behind its running stream
-(two streams having left its batch before, so it knows a rate), and the coordinator then
-refuses new requests at arrival (RESOURCE_EXHAUSTED with a retry hint); once the queue has
+`--handoff-wait-ms` reports itself saturated once handoffs queue behind its running stream
+and it knows the rate its line moves at (two handoffs having got the slot in this busy
+spell); until then a line alone refuses no one. The coordinator refuses new requests at
+arrival while it is saturated (RESOURCE_EXHAUSTED with a retry hint); once the line has
 drained, it takes them again and no block is left held. The unit twins:
 tests/unit/test_leases_and_admission.py (the prediction) and
 tests/unit/test_coordinator_inflight.py (the refusal)."""
@@ -60,13 +61,24 @@ def test_a_saturated_decode_worker_turns_new_requests_away():
         free = {role: w.free_blocks() for role, w in workers.items()}
         channel = grpc.insecure_channel(coordinator.grpc)
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        for _ in range(2):  # two streams run on decode and leave: it has a departure rate
-            assert sum(len(r.token_ids) for r in stub.Generate(request("Hello", 4))) == 4
-        assert probe(stub) is None  # nobody waits on decode: not saturated
-        long = stub.Generate(request("Tell me a long story.", 4000))
-        assert len(next(long).token_ids) == 1 and len(next(long).token_ids) >= 1  # decoding
-        queued = stub.Generate(request("Hello there", 4))  # its handoff waits for the slot
-        assert len(next(queued).token_ids) == 1  # prefill's first token
+        line = 0
+
+        def joins_the_line(prompt: str, max_tokens: int):
+            nonlocal line
+            stream = stub.Generate(request(prompt, max_tokens))
+            assert len(next(stream).token_ids) == 1  # prefill's first token
+            line += 1  # its handoff waits for the slot, behind the ones before it
+            assert until(lambda: decode.metric("pdserve_num_requests_waiting") == line)
+            return stream
+
+        first = stub.Generate(request("Tell me a long story.", 4000))
+        assert len(next(first).token_ids) == 1 and len(next(first).token_ids) >= 1  # decoding
+        short = joins_the_line("Hello", 4)
+        long = joins_the_line("Tell me another long story.", 4000)
+        assert probe(stub) is None  # a line, but no rate known yet: nobody refused
+        queued = joins_the_line("Hello there", 4)
+        first.cancel()  # the short one gets the slot, leaves, and the long one gets it
+        assert sum(len(r.token_ids) for r in short) == 3
         refused = until(lambda: probe(stub))
         assert refused is not None, "the coordinator never refused while decode was saturated"
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()

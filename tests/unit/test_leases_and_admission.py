@@ -143,20 +143,25 @@ def test_admission_saturates_when_a_handoff_would_wait_past_the_bound(tiny_model
         for i, rid in enumerate("abcde")
     }
     assert admission.predicted_wait_s(1) is None  # no stream has left the batch yet
-    for rid, t in (("a", 0.0), ("b", 2.0)):  # two streams join and leave, 2 s apart
+    assert admission.submit(req["a"]).result(0) == 0
+    admission.start(req["a"])  # the one batch slot
+    b = admission.submit(req["b"])
+    admission.admit()
+    for t, gone, joins in ((1.0, "a", "b"), (3.0, "b", "c")):  # one leaves, the next joins
         now[0] = t
-        assert admission.submit(req[rid]).result(0) == 0
-        admission.start(req[rid])
-        admission.withdraw(req[rid])  # aborted in the batch: it left
+        if joins == "c":
+            c = admission.submit(req["c"])
+        admission.withdraw(req[gone])  # aborted in the batch: it left
         admission.admit()  # the next step boundary sees it gone
+        assert (b if joins == "b" else c).result(0) == 0
+        admission.start(req[joins])
+    # Two departures 2 s apart in one busy spell; each line had one grant: no line rate yet.
     assert admission.predicted_wait_s(1) == 2.0
-    assert admission.submit(req["c"]).result(0) == 0
-    admission.start(req["c"])  # the one batch slot
     assert not admission.saturated()  # nobody waits: a new handoff would be first in line
     head = admission.submit(req["d"])
     assert admission.saturated()  # a new one would be second in line: 4 s, past 3 s
     second = admission.submit(req["e"])  # saturation refuses nothing here: handoffs queue
-    now[0] = 4.0  # no stream left since: the rate decays, 2 s -> 4 s a place
+    now[0] = 5.0  # no stream left since: the rate decays, 2 s -> 4 s a place
     assert admission.predicted_wait_s(1) == 4.0
     admission.max_wait_s = 0  # no bound: never saturated
     assert not admission.saturated()
@@ -173,8 +178,9 @@ def test_the_wait_prediction_follows_the_lines_grants_where_blocks_are_the_limit
     tiny_model_dir,
 ):
     """Where KV blocks, not batch slots, hold the line, one stream leaving can let several in:
-    once the line has been granted slots twice, its wait is predicted at that rate, not at
-    one per departure (which would call the worker saturated three times too early)."""
+    once the line has been granted slots at two moments, its wait is predicted at that rate,
+    not at one per departure (which would call the worker saturated three times too early).
+    A new line starts from the departures' rate again, and an idle batch forgets that."""
     engine = _engine(tiny_model_dir, tokens=512)  # 32 blocks of 16
     all_free = engine.kv_cache.num_free_blocks
     now = [0.0]
@@ -206,10 +212,14 @@ def test_the_wait_prediction_follows_the_lines_grants_where_blocks_are_the_limit
     assert not admission.saturated()
     now[0] = 5.0  # nothing granted since: the rate decays, 5/3 s a place
     assert admission.predicted_wait_s(1) == pytest.approx(5 / 3) and admission.saturated()
-    for request in small[9:]:  # the line empties: its rate goes with it
+    for request in small[9:]:  # the line empties; a new one forms at once (a big one)
         admission.withdraw(request)
-    admission.admit()
-    assert admission.predicted_wait_s(1) == pytest.approx(5 / 1)  # the departures' again
+    again = engine.new_prefilled_request(list(range(5000, 5150)), 5, GREEDY, "Z")
+    assert not admission.submit(again).done()
+    assert admission.predicted_wait_s(1) == pytest.approx(5 / 1)  # not the old line's rate
+    admission.withdraw(again)
     for request in small[:9]:
         admission.withdraw(request)
+    admission.admit()  # the batch is idle: its old departures say nothing of the next spell
+    assert admission.predicted_wait_s(1) is None
     assert engine.kv_cache.num_free_blocks == all_free
