@@ -225,7 +225,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         load = {
             "num_running": len(engine.scheduler.running),
             "num_waiting": len(engine.scheduler.waiting) + self.worker.metrics.extra_waiting,
-            "saturated": self.worker.metrics.saturated,
+            "handoff_room": self.worker.metrics.handoff_room,
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
             "offload_cost": engine.tier_cost(kv.tier),
