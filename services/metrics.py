@@ -221,8 +221,7 @@ class WorkerMetrics:
         KV_USAGE.labels(**labels).set_function(kv.usage)
         RUNNING.labels(**labels).set_function(lambda: len(sched.running))
         self.extra_waiting = 0  # e.g. decode admissions waiting for blocks
-        # A decode worker's room for handoffs within its --handoff-wait-ms (None: no limit).
-        self.handoff_room: int | None = None
+        self.saturated = False  # a decode worker's handoffs would wait past their bound
         WAITING.labels(**labels).set_function(lambda: len(sched.waiting) + self.extra_waiting)
         self.held = 0
         HELD.labels(**labels).set_function(lambda: self.held)

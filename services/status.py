@@ -225,7 +225,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         load = {
             "num_running": len(engine.scheduler.running),
             "num_waiting": len(engine.scheduler.waiting) + self.worker.metrics.extra_waiting,
-            "handoff_room": self.worker.metrics.handoff_room,
+            "saturated": self.worker.metrics.saturated,
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
             "offload_cost": engine.tier_cost(kv.tier),

@@ -173,14 +173,10 @@ class WorkerPool:
             self.provisional.add(chosen.address, hashes)
         return chosen  # type: ignore[return-value]
 
-    def handoff_room(self) -> int | None:
-        """How many more handoffs the routable decode workers' lines have room for, summed;
-        None while any of them sets no limit, or none is routable (no worker is another
-        error)."""
-        rooms = [w.handoff_room for w in self.workers.values() if w.routable]
-        if not rooms or any(room is None for room in rooms):
-            return None
-        return sum(rooms)  # type: ignore[arg-type]
+    def saturated(self) -> bool:
+        """Whether every routable worker (one at least) reports itself saturated."""
+        routable = [w for w in self.workers.values() if w.routable]
+        return bool(routable) and all(w.saturated for w in routable)
 
     def local_prefill_worker(
         self, hashes: Sequence[int], num_tokens: int, max_uncached: int, blocks_needed: int,
@@ -307,7 +303,7 @@ class WorkerPool:
         worker.free_blocks = report.free_blocks
         worker.total_blocks = report.total_blocks
         worker.draining = report.draining
-        worker.handoff_room = report.handoff_room if report.HasField("handoff_room") else None
+        worker.saturated = report.saturated
         regrouped = (report.group, report.group_size or 1) != (worker.group, worker.group_size)
         if regrouped:  # first report, or a restarted worker with other flags
             old = worker.group

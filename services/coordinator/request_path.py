@@ -159,7 +159,6 @@ class Coordinator:
         self.local_prefill_tokens = local_prefill_tokens
         self.inflight = 0
         self.handoffs_waiting = 0  # prefilled requests a busy decode pool has not taken yet
-        self.prefilling = 0  # requests in prefill (or prefilled) not yet handed to decode
         self._background: set[asyncio.Task[None]] = set()
         self.metric_labels = {"model": model, "role": "coordinator", "worker": worker_id}
 
@@ -175,12 +174,10 @@ class Coordinator:
                 f"coordinator: {self.handoffs_waiting} prefilled requests wait for a decode "
                 "worker to take them (every decode admission queue is full); retry later"
             )
-        room = self.decode.handoff_room() if self.colocated is None and self.decode else None
-        if room is not None and self.prefilling >= room:
+        if self.colocated is None and self.decode is not None and self.decode.saturated():
             return (
-                f"coordinator: every decode worker is saturated: their lines have room for "
-                f"{room} more handoffs within their --handoff-wait-ms, and {self.prefilling} "
-                "requests are in prefill already; retry later"
+                "coordinator: every decode worker is saturated (a new handoff would wait past "
+                "its --handoff-wait-ms for a batch slot); retry later"
             )
         return None
 
@@ -386,95 +383,18 @@ class Coordinator:
                 return
         block_size = self.prefill.block_size
         hashes = block_hashes(tokens[:-1], block_size) if block_size else []
-        # Counted until handed off: once prefilled, it joins a decode worker's line.
-        self.prefilling += 1
-        prefilling = True
-        try:
-            worker, prefilled = await self._prefill(
+        worker = await self.prefill.pick(hashes, exclude=failed)
+        span.set_attribute("pdserve.prefill_worker", worker.address)
+        with self.prefill.track(worker):
+            call = worker.stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=wid, prompt_token_ids=tokens, sampling=sampling, resumed=resumed
                 ),
-                hashes,
-                remaining,
-                timer,
-                failed,
-            )
-            first = generate_pb2.GenerateResponse(
-                request_id=rid, token_ids=[prefilled.first_token_id], text=prefilled.text
-            )
-            if prefilled.HasField("first_logprobs"):
-                first.logprobs.append(prefilled.first_logprobs)
-            if prefilled.finish_reason:
-                first.finish_reason = prefilled.finish_reason
-                yield first, prefilled.cached_tokens
-                return
-
-            handle = prefilled.kv_handle
-            pulled = False  # decode's first message says the blocks are in place
-            waiting = False  # counted in `handoffs_waiting`: a busy decode pool refused it
-            try:
-                yield first, prefilled.cached_tokens
-                blocks = -(-(len(tokens) + left) // max(1, handle.block_size))
-                request = decode_pb2.DecodeRequest(
-                    request_id=wid,
-                    prompt_token_ids=tokens,
-                    first_token_id=prefilled.first_token_id,
-                    sampling=sampling,
-                    kv_handle=handle,
-                    resumed=resumed,
-                )
-                for attempt in itertools.count():
-                    decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
-                    span.set_attribute("pdserve.decode_worker", decoder.address)
-                    call = decoder.stub.Decode(
-                        request, timeout=remaining(), metadata=metadata_for_call(span)
-                    )
-                    if prefilling:  # handed off: in that worker's line, which it reports
-                        prefilling = False
-                        self.prefilling -= 1
-                    try:
-                        async for item in self._relay_decode(
-                            call, decoder, rid, timer, failed, prefilled
-                        ):
-                            pulled = True  # decode has the blocks (a pulled lease's release: no-op)
-                            if waiting:
-                                waiting = False
-                                self.handoffs_waiting -= 1
-                            yield item
-                        return
-                    except DecodeBusy as e:
-                        if not waiting:
-                            waiting = True
-                            self.handoffs_waiting += 1
-                        await self._wait_to_hand_off(e.error, attempt, handle, remaining, timer)
-            finally:
-                if waiting:
-                    self.handoffs_waiting -= 1
-                if not pulled:  # failed or cancelled before the pull: free prefill's blocks
-                    self._release(worker, handle.lease_id)
-        finally:
-            if prefilling:
-                self.prefilling -= 1
-
-    async def _prefill(
-        self,
-        request: prefill_pb2.PrefillRequest,
-        hashes: list[int],
-        remaining: Callable[[], float | None],
-        timer: RequestTimer,
-        failed: list,
-    ) -> tuple[WorkerEndpoint, prefill_pb2.PrefillResponse]:
-        """The prompt prefilled on the prefill worker `hashes` route it to; raises
-        `LegFailed` when that worker is lost (appended to `failed`)."""
-        assert self.prefill is not None
-        worker = await self.prefill.pick(hashes, exclude=failed)
-        timer.span.set_attribute("pdserve.prefill_worker", worker.address)
-        with self.prefill.track(worker):
-            call = worker.stub.Prefill(
-                request, timeout=remaining(), metadata=metadata_for_call(timer.span)
+                timeout=remaining(),
+                metadata=metadata_for_call(span),
             )
             try:
-                return worker, await call
+                prefilled = await call
             except grpc.aio.AioRpcError as e:
                 error = _worker_error("prefill", worker.address, e)
                 if e.code() not in WORKER_GONE:
@@ -484,6 +404,56 @@ class Coordinator:
                 raise LegFailed(error) from None
             finally:
                 call.cancel()
+        first = generate_pb2.GenerateResponse(
+            request_id=rid, token_ids=[prefilled.first_token_id], text=prefilled.text
+        )
+        if prefilled.HasField("first_logprobs"):
+            first.logprobs.append(prefilled.first_logprobs)
+        if prefilled.finish_reason:
+            first.finish_reason = prefilled.finish_reason
+            yield first, prefilled.cached_tokens
+            return
+
+        handle = prefilled.kv_handle
+        pulled = False  # decode's first message says the blocks are in place
+        waiting = False  # counted in `handoffs_waiting`: a busy decode pool refused it
+        try:
+            yield first, prefilled.cached_tokens
+            blocks = -(-(len(tokens) + left) // max(1, handle.block_size))
+            request = decode_pb2.DecodeRequest(
+                request_id=wid,
+                prompt_token_ids=tokens,
+                first_token_id=prefilled.first_token_id,
+                sampling=sampling,
+                kv_handle=handle,
+                resumed=resumed,
+            )
+            for attempt in itertools.count():
+                decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
+                span.set_attribute("pdserve.decode_worker", decoder.address)
+                call = decoder.stub.Decode(
+                    request, timeout=remaining(), metadata=metadata_for_call(span)
+                )
+                try:
+                    async for item in self._relay_decode(
+                        call, decoder, rid, timer, failed, prefilled
+                    ):
+                        pulled = True  # decode has the blocks (a pulled lease's release: no-op)
+                        if waiting:
+                            waiting = False
+                            self.handoffs_waiting -= 1
+                        yield item
+                    return
+                except DecodeBusy as e:
+                    if not waiting:
+                        waiting = True
+                        self.handoffs_waiting += 1
+                    await self._wait_to_hand_off(e.error, attempt, handle, remaining, timer)
+        finally:
+            if waiting:
+                self.handoffs_waiting -= 1
+            if not pulled:  # failed or cancelled before the pull: free prefill's blocks
+                self._release(worker, handle.lease_id)
 
     async def _wait_to_hand_off(
         self,

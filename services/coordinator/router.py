@@ -66,8 +66,7 @@ class WorkerState:
     total_blocks: int = 0
     offload_cost: float = 0.0  # reported: a disk-tier block's load over its compute (0: unknown)
     host_cost: float = 0.0  # reported: the same for its host-memory tier
-    # A decode worker's room for handoffs within its --handoff-wait-ms; None: no limit.
-    handoff_room: int | None = None
+    saturated: bool = False  # reported by a decode worker: handoffs would wait past its bound
     # Expert parallelism: the ranks of one group are endpoints of their own, but routable
     # only while every rank of the group is (`group_whole`, kept by the pool).
     group: str = ""

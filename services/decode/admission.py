@@ -4,12 +4,11 @@ cached prefix), the batch has a free slot (`max_num_seqs`, counting requests sti
 pulling) and a decode step with it joined is predicted within the TPOT target (by the
 step costs this worker measured; `--tpot-target-ms`). Requests that do not fit wait in a
 bounded FIFO, retried before every engine step; past the bound (`--max-pending`), new ones
-are refused. With `--handoff-wait-ms` the worker also says how many more handoffs its line
-has room for: how many could join it and still get their slot within that bound, at the
-rate the line's head has been getting one since the line formed (one leaving stream can
-free blocks for several), or, until that is known, at the rate streams have been leaving
-the batch. Its status carries that to the coordinators, which refuse new requests at
-arrival (before any prefill) once the requests they already have in prefill would fill it,
+are refused. With `--handoff-wait-ms` the worker also says when it is saturated: a new
+handoff would wait longer than that for its slot, at the rate the line's head has been
+getting one since the line formed (one leaving stream can free blocks for several), or,
+until that is known, at the rate streams have been leaving the batch. Its status carries
+that to the coordinators, which then refuse new requests at arrival (before any prefill)
 instead of queueing every stream's second token behind a growing line. Engine thread
 only."""
 
@@ -71,20 +70,12 @@ class Admission:
         self.pending.append((request, future))
         return future
 
-    def handoff_room(self) -> int | None:
-        """How many more handoffs could join the line and still be predicted a slot within
-        `max_wait_s` (0: saturated); None while there is no bound, no line (free capacity
-        may take any number at once) or no known rate."""
-        if not self.max_wait_s or not self.pending:
-            return None
-        per_place = self.predicted_wait_s(1)
-        if per_place is None:
-            return None
-        return max(0, int(self.max_wait_s // per_place) - len(self.pending))
-
     def saturated(self) -> bool:
         """Whether a new handoff is predicted to wait past `max_wait_s` for its slot."""
-        return self.handoff_room() == 0
+        if not self.max_wait_s or not self.pending:
+            return False
+        wait = self.predicted_wait_s(len(self.pending) + 1)
+        return wait is not None and wait > self.max_wait_s
 
     def predicted_wait_s(self, place: int) -> float | None:
         """How long the `place`-th in line (1: the head) is predicted to wait for a slot, as

@@ -90,7 +90,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def _housekeeping(self) -> None:
         self.admission.admit()
         self.worker.metrics.extra_waiting = len(self.admission.pending)
-        self.worker.metrics.handoff_room = self.admission.handoff_room()
+        self.worker.metrics.saturated = self.admission.saturated()
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext

@@ -85,13 +85,10 @@ def test_the_limit_counts_requests_still_being_tokenized() -> None:
     asyncio.run(main())
 
 
-def test_new_requests_are_refused_once_the_decode_lines_have_no_room() -> None:
-    """A decode worker with `--handoff-wait-ms` reports how many more handoffs its line has
-    room for within that bound. While the requests this coordinator has in prefill would
-    fill the room of every routable decode worker, a new request is refused at arrival
-    (RESOURCE_EXHAUSTED with a retry hint), before the tokenizer or any prefill; a worker
-    reporting no limit (no line) lifts it, and a request leaving prefill gives its count
-    back. Requests stay "in prefill" here by waiting for a prefill worker (there is none)."""
+def test_new_requests_are_refused_while_every_decode_worker_is_saturated() -> None:
+    """A decode worker reports `saturated` (a new handoff would wait past its
+    `--handoff-wait-ms`): while every routable one does, a new request is refused at
+    arrival (RESOURCE_EXHAUSTED with a retry hint), before the tokenizer or any prefill."""
     from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
     from pdserve.v1 import worker_pb2
 
@@ -99,7 +96,7 @@ def test_new_requests_are_refused_once_the_decode_lines_have_no_room() -> None:
         frontend = BlockedFrontend()
         frontend.release.set()
         decode = WorkerPool("decode", [], lambda c: c)
-        prefill = WorkerPool("prefill", [], lambda c: c, wait_for_worker_s=600)
+        prefill = WorkerPool("prefill", [], lambda c: c, wait_for_worker_s=0)  # none: 503
         workers = [WorkerEndpoint(f"10.0.0.{i}:5000") for i in (1, 2)]
         for worker in workers:
             decode.workers[worker.address] = worker
@@ -109,48 +106,33 @@ def test_new_requests_are_refused_once_the_decode_lines_have_no_room() -> None:
             decode=decode,
             worker_id="saturation-test",
         )
-        taken: list[asyncio.Future] = []
 
-        async def run() -> None:
+        async def outcome() -> grpc.StatusCode | None:
+            try:
+                async for _ in coordinator.generate(generate_pb2.GenerateRequest(prompt="x")):
+                    pass
+            except RequestFailed as e:
+                return e.code
+            return None
+
+        def report(worker: WorkerEndpoint, saturated: bool) -> None:
+            decode._apply(worker, worker_pb2.WatchResponse(saturated=saturated))
+
+        report(workers[0], True)
+        entered = frontend.entered
+        assert await outcome() == grpc.StatusCode.UNAVAILABLE  # the other one is not: taken
+        assert frontend.entered == entered + 1  # (then no prefill worker to serve it)
+        report(workers[1], True)
+        with pytest.raises(RequestFailed) as refused:
             async for _ in coordinator.generate(generate_pb2.GenerateRequest(prompt="x")):
                 pass
-
-        async def take() -> None:
-            """A request that is taken: it reaches prefill and waits there."""
-            taken.append(asyncio.ensure_future(run()))
-            await until(lambda: coordinator.prefilling == len(taken))
-
-        async def refused() -> RequestFailed:
-            entered = frontend.entered
-            with pytest.raises(RequestFailed) as e:
-                await run()
-            assert frontend.entered == entered  # refused before the tokenizer
-            return e.value
-
-        def report(worker: WorkerEndpoint, room: int | None) -> None:
-            decode._apply(worker, worker_pb2.WatchResponse(handoff_room=room))
-
-        report(workers[0], 1)
-        await take()  # the other worker sets no limit
-        report(workers[1], 0)  # saturated: room 1 in all, and one request in prefill
-        error = await refused()
-        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_s == 1
-        assert "saturated" in error.message and "room for 1 more" in error.message
-        report(workers[0], 3)
-        await take()
-        await take()
-        await refused()  # three in prefill, room for three
-        workers[1].draining = True  # leaving: its room counts for nothing, its limit neither
-        await refused()
-        taken.pop().cancel()  # a request leaves prefill: its count goes back
-        await until(lambda: coordinator.prefilling == len(taken))
-        await take()
-        report(workers[0], None)  # its line is gone: no limit
-        await take()
-        for task in taken:
-            task.cancel()
-        await asyncio.gather(*taken, return_exceptions=True)
-        assert coordinator.prefilling == 0 and coordinator.inflight == 0
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "saturated" in refused.value.message and refused.value.retry_after_s == 1
+        assert frontend.entered == entered + 1  # refused before the tokenizer
+        workers[1].draining = True  # saturated or leaving: still none to take it
+        assert await outcome() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        report(workers[0], False)  # cleared
+        assert await outcome() == grpc.StatusCode.UNAVAILABLE
         await decode.close()
         await prefill.close()
 

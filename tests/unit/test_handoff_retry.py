@@ -114,8 +114,8 @@ class Pool:
     def failed(self, worker) -> None:
         self.failures += 1
 
-    def handoff_room(self) -> int | None:
-        return None  # no limit
+    def saturated(self) -> bool:
+        return False
 
 
 def coordinator_over(stub: Stub) -> Coordinator:

@@ -45,7 +45,7 @@ def fake_worker() -> SimpleNamespace:
     return SimpleNamespace(
         loop=loop, worker_id="w", role="prefill", group="", group_rank=0, group_size=1,
         address="10.0.0.7:50061",
-        metrics=SimpleNamespace(extra_waiting=0, handoff_room=None, labels=LABELS),
+        metrics=SimpleNamespace(extra_waiting=0, saturated=False, labels=LABELS),
     )  # fmt: skip
 
 
