@@ -40,9 +40,14 @@ class NoWorkers:
         raise NoWorkerError("no colocated worker")
 
 
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0)
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Let the loop run until `condition()` holds; fails rather than hangs if it never does."""
+
+    async def polled() -> None:
+        while not condition():
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(polled(), timeout_s)
 
 
 def test_the_limit_counts_requests_still_being_tokenized() -> None:
