@@ -149,3 +149,21 @@ def mount(c: dict, name: str) -> dict | None:
 def discovery_of(args: argparse.Namespace):
     static = {r: [a for a in getattr(args, f"{r}_workers", "").split(",") if a] for r in WORKERS}
     return build_discovery(args, static)
+
+
+def assert_render_refuses(sets: list[str], message: str) -> None:
+    """`helm template` with `--set` of each of `sets` (`--set-json` for one written
+    "json:path=value") fails, saying `message`, both with the values schema (unless the
+    schema refuses it first) and without it, so the template's own checks hold for a user
+    who skips the schema."""
+    for skip in ([], ["--skip-schema-validation"]):
+        args = ["template", RELEASE, str(CHART), *skip]
+        for s in sets:
+            args += (
+                ["--set-json", s.removeprefix("json:")] if s.startswith("json:") else ["--set", s]
+            )
+        result = helm(*args, check=False)
+        assert result.returncode != 0
+        if not skip and "values don't meet the specifications of the schema" in result.stderr:
+            continue  # the schema caught it first
+        assert message in result.stderr, result.stderr

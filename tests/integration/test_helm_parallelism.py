@@ -7,15 +7,13 @@ from __future__ import annotations
 import pytest
 import yaml
 from helm_chart import (
-    CHART,
     FULLNAME,
     NAMESPACE,
-    RELEASE,
     WORKERS,
+    assert_render_refuses,
     container,
     deployment,
     discovery_of,
-    helm,
     manifests,
     one,
     parse_container,
@@ -63,15 +61,7 @@ def test_tensor_parallel_pools_get_the_flag_and_a_gpu_per_rank(monkeypatch) -> N
     ],
 )
 def test_bad_tensor_parallel_values_fail_the_render(sets, message) -> None:
-    for skip in ([], ["--skip-schema-validation"]):
-        args = ["template", RELEASE, str(CHART), *skip]
-        for s in sets:
-            args += ["--set", s]
-        result = helm(*args, check=False)
-        assert result.returncode != 0
-        if not skip and "values don't meet the specifications of the schema" in result.stderr:
-            continue  # the schema caught it first
-        assert message in result.stderr, result.stderr
+    assert_render_refuses(sets, message)
 
 
 # --- expert parallelism ------------------------------------------------------------------------
@@ -177,12 +167,4 @@ def test_bad_expert_parallel_values_fail_the_render(sets: list[str], message: st
     """The template's own checks, which also hold with --skip-schema-validation (the schema
     rejects the non-integers and values below 1 first: see test_schema_rejects_bad_values
     in test_helm_values.py)."""
-    for skip in ([], ["--skip-schema-validation"]):
-        args = ["template", RELEASE, str(CHART), *skip]
-        for s in sets:
-            args += ["--set", s]
-        result = helm(*args, check=False)
-        assert result.returncode != 0
-        if not skip and "values don't meet the specifications of the schema" in result.stderr:
-            continue  # the schema caught it first
-        assert message in result.stderr, result.stderr
+    assert_render_refuses(sets, message)
