@@ -83,9 +83,10 @@ class Admission:
         formed, or, until it has had grants at two moments, `place` departures at the rate
         of the last few streams to leave the batch since it was last idle (those of one step
         count as one moment). Either rate decays while nothing happens. None until known."""
-        per_place = _seconds_apart(self._grants, self._clock())
+        now = self._clock()
+        per_place = _seconds_apart(self._grants, now)
         if per_place is None:
-            per_place = _seconds_apart(self._departures, self._clock())
+            per_place = _seconds_apart(self._departures, now)
         return None if per_place is None else place * per_place
 
     def admit(self) -> None:
