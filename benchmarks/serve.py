@@ -117,6 +117,7 @@ from loadgen import (  # benchmarks/loadgen.py, beside this script
     summarize,
 )
 from machine import cpu_name
+from slo import slo_label, slo_list
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_ANCHOR = Path(
@@ -166,24 +167,6 @@ def int_range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX: {text}")
     return lo, hi
-
-
-def slo_list(text: str) -> list[tuple[float, float]]:
-    """ "TTFT:TPOT[,TTFT:TPOT...]" in seconds, e.g. "1:0.05,2:0.1"."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            ttft, tpot = (float(x) for x in part.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: want TTFT:TPOT in seconds") from None
-        if ttft <= 0 or tpot <= 0:
-            raise argparse.ArgumentTypeError(f"{part!r}: both must be > 0")
-        out.append((ttft, tpot))
-    return out
-
-
-def slo_label(ttft: float, tpot: float) -> str:
-    return f"{ttft:g}:{tpot:g}"
 
 
 def goodput_at(
