@@ -180,10 +180,14 @@ def goodput_at(
     }
 
 
+def vllm_set_up() -> bool:
+    """Whether the vLLM anchor script and its venv are both there."""
+    return VLLM_ANCHOR.exists() and (VLLM_VENV / "bin" / "python").exists()
+
+
 def default_systems() -> str:
     """pdserve's two modes, and vLLM's settings when its anchor is set up."""
-    have_vllm = VLLM_ANCHOR.exists() and (VLLM_VENV / "bin" / "python").exists()
-    return ",".join(SYSTEMS if have_vllm else PDSERVE_SYSTEMS)
+    return ",".join(SYSTEMS if vllm_set_up() else PDSERVE_SYSTEMS)
 
 
 def system_list(text: str) -> list[str]:

