@@ -57,20 +57,9 @@ def label(pair: tuple[float, float]) -> str:
 
 
 def isa_class() -> str:
-    flags: set[str] = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    for name, flag in (
-        ("amx", "amx_bf16"),
-        ("avx512bf16", "avx512_bf16"),
-        ("avx512", "avx512f"),
-        ("avx2", "avx2"),
-    ):
-        if flag in flags:
-            return name
-    return "baseline"
+    from pdserve.kernels.invariant_gemm import native_path
+
+    return native_path() or "baseline"
 
 
 def engine_dtype() -> str:

@@ -207,13 +207,17 @@ def gemm(
     return ext.invariant_gemm(x, packed, n, bias, PATHS.index(path), out_float32)
 
 
+def native_path() -> str | None:
+    """The fastest path this CPU's flags allow, before any cap: its host class."""
+    flags = cpu_flags()
+    return next((p for p in reversed(PATHS) if _NEEDS[p] <= flags), None)
+
+
 def describe() -> dict[str, object]:
     """This host's CPU, its class, the cap in force and the path each dtype takes."""
-    flags = cpu_flags()
-    native = next((p for p in reversed(PATHS) if _NEEDS[p] <= flags), None)
     return {
         "cpu": cpuinfo_line("model name").split(":", 1)[-1].strip() or "unknown",
-        "isa_class": native,
+        "isa_class": native_path(),
         ONEDNN_ENV: os.environ.get(ONEDNN_ENV),
         ISA_ENV: os.environ.get(ISA_ENV),
         "batch_invariant": enabled(),
