@@ -187,22 +187,28 @@ class Scheduler:
     def prefill_wait_s(self, request: Request) -> float | None:
         """Predicted seconds until `request`, queued now, has its first token: the prompts
         still to prefill ahead of it (running chunks, then the waiting queue, each after its
-        cached prefix) and its own, beside the streams decoding now (None while the step
-        costs are unmeasured)."""
-        prompts: list[tuple[int, int]] = []
-        decodes: list[Request] = []
+        cached prefix) and its own, beside the streams decoding now and the prompts ahead
+        that join them once prefilled (None while the step costs are unmeasured)."""
+
+        def decode_steps(r: Request) -> int:  # after its first token, at most
+            return 0 if r.prefill_only else r.sampling_params.max_tokens - r.num_output_tokens - 1
+
+        prompts: list[tuple[int, int, int]] = []
+        streams: list[tuple[int, int]] = []
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens
             if left == 1:
-                decodes.append(r)
+                streams.append(
+                    (r.num_computed_tokens, r.sampling_params.max_tokens - r.num_output_tokens)
+                )
             else:
-                prompts.append((r.num_computed_tokens, left))
+                prompts.append((r.num_computed_tokens, left, decode_steps(r)))
         for r in (*self.waiting, request):
             cached = len(self.kv_cache.find_cached_prefix(r)) * self.kv_cache.block_size
-            prompts.append((cached, r.num_tokens - cached))
+            prompts.append((cached, r.num_tokens - cached, decode_steps(r)))
         return self.step_cost.prefill_wait_s(
-            prompts, len(decodes), sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes),
-            self.tpot_target_s, self.kv_cache.block_size, self.max_num_batched_tokens,
+            prompts, streams, self.tpot_target_s, self.kv_cache.block_size,
+            self.max_num_batched_tokens,
         )  # fmt: skip
 
     def on_step_computed(self, batch: ScheduledBatch) -> None:

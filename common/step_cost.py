@@ -105,28 +105,75 @@ class StepCostModel:
         return float(self.coefficients @ np.array([1.0, decodes, prefill_tokens, attention]))
 
     def prefill_wait_s(
-        self, prompts: list[tuple[int, int]], decodes: int, decode_attention: float,
+        self, prompts: list[tuple[int, int, int]], streams: list[tuple[int, int]],
         target_s: float, min_chunk: int, max_step_tokens: int,
     ) -> float | None:  # fmt: skip
-        """Seconds until every prompt of `prompts` ((first position to compute, tokens) in
-        queue order) is prefilled, beside `decodes` streams under the TPOT target `target_s`
-        (0: none): the prompts' own compute, plus the decodes' share of every step they
-        take (each step has the target's room left by the decodes, at least `min_chunk`
-        tokens' worth). Without decodes, steps of `max_step_tokens` and the base cost of
-        each. None while unmeasured."""
+        """Seconds until every prompt of `prompts` is prefilled, in queue order, as the plan
+        runs them. A prompt is (first position to compute, tokens, decode steps it runs once
+        prefilled: 0 where it is handed off); a stream decoding now is (context tokens,
+        steps left at most). While streams decode under the TPOT target `target_s`, the
+        prompt at the head takes its own compute plus the decodes' share of the steps it
+        spans (each step has the target's room left by the decodes, at least `min_chunk`
+        tokens' worth); without them (or without a target), steps of `max_step_tokens`
+        prompt tokens, each at its base cost. The streams advance step by step and leave
+        when their steps run out (the head's share of the steps until then is counted, and
+        the rest of it at the rate after); a prefilled prompt joins them, so the queue
+        behind it prefills beside one more stream. None while unmeasured."""
         if not self.prefill_measured:
             return None
         assert self.coefficients is not None
         base, _, per_token, per_attention = self.coefficients
-        work = sum(per_token * n + per_attention * attention_pairs(s, n) for s, n in prompts)
-        if target_s > 0 and decodes > 0:
-            decode_s = self.predict(decodes, 0, decode_attention)
-            if decode_s is None:
-                return None
-            room = max(target_s - decode_s, per_token * min_chunk)
-            return work + math.ceil(work / room) * decode_s
-        tokens = sum(n for _, n in prompts)
-        return work + math.ceil(tokens / max(1, max_step_tokens)) * base
+
+        def work(start: float, tokens: float) -> float:
+            return per_token * tokens + per_attention * attention_pairs(int(start), int(tokens))
+
+        queue = [
+            [float(start), float(tokens), decode_steps] for start, tokens, decode_steps in prompts
+        ]
+        live = [[float(context), float(left)] for context, left in streams]
+        seconds = 0.0
+        while queue:
+            joined = []
+            if target_s > 0 and live:
+                head = queue[0]
+                decode_attention = sum(attention_pairs(int(c), 1) for c, _ in live)
+                decode_s = self.predict(len(live), 0, decode_attention)
+                if decode_s is None:
+                    return None
+                room = max(target_s - decode_s, per_token * min_chunk)
+                own = work(head[0], head[1])
+                steps = own / room
+                first_out = min(left for _, left in live)
+                if steps > first_out:  # a stream leaves first: this batch runs until then
+                    steps = first_out
+                    done = head[1] * steps * room / own
+                    seconds += steps * (room + decode_s)
+                    head[0] += done
+                    head[1] -= done
+                else:
+                    seconds += own + steps * decode_s
+                    queue.pop(0)
+                    if head[2] > 0:
+                        joined.append([head[0] + head[1], float(head[2])])
+            else:  # one step of the token budget, prompts packed into it
+                steps, room = 1.0, float(max(1, max_step_tokens))
+                while queue and room > 0:
+                    head = queue[0]
+                    part = min(head[1], room)
+                    seconds += work(head[0], part)
+                    room -= part
+                    head[0] += part
+                    head[1] -= part
+                    if head[1] <= 0:
+                        queue.pop(0)
+                        if head[2] > 0:
+                            joined.append([head[0], float(head[2])])
+                seconds += base
+            for stream in live:
+                stream[0] += steps
+                stream[1] -= steps
+            live = [stream for stream in live if stream[1] > 0] + joined
+        return seconds
 
 
 class StepPlan:

@@ -56,22 +56,25 @@ def test_a_decode_worker_learns_decode_costs_only():
     assert model.decodes_measured and not model.prefill_measured
     assert model.predict(5, 0, 0.01) == pytest.approx(true_cost(5, 0, 0.01))
     assert model.predict(0, 10, 0.0) is None
-    assert model.prefill_wait_s([(0, 100)], 0, 0.0, 0.05, 16, 2048) is None
+    assert model.prefill_wait_s([(0, 100, 0)], [], 0.05, 16, 2048) is None
 
 
 def simulated_wait(
-    prompts: list[tuple[int, int]],
-    decodes: int,
-    decode_attention: float,
+    prompts: list[tuple[int, int, int]],
+    streams: list[tuple[int, int]],
     target_s: float,
     min_chunk: int,
     model: StepCostModel,
 ) -> float:
-    """Seconds of the steps the scheduler's plan runs until every prompt is prefilled."""
+    """Seconds of the steps the scheduler's plan runs until every prompt is prefilled: the
+    streams decode one token a step and leave when their steps run out; a prompt, once
+    prefilled, decodes from the next step on for its own steps."""
     left = [list(p) for p in prompts]
+    live = [list(s) for s in streams]
     seconds = 0.0
     while left:
-        plan = StepPlan(model, target_s, decodes, decode_attention, min_chunk, warmup_chunk=0)
+        decode_attention = sum(attention_pairs(c, 1) for c, _ in live)
+        plan = StepPlan(model, target_s, len(live), decode_attention, min_chunk, warmup_chunk=0)
         tokens, attention = 0, decode_attention
         for prompt in left:
             n = plan.prefill_tokens(prompt[0], prompt[1])
@@ -81,8 +84,10 @@ def simulated_wait(
             attention += attention_pairs(prompt[0], n)
             prompt[0] += n
             prompt[1] -= n
+        seconds += true_cost(len(live), tokens, attention)
+        live = [[c + 1, n - 1] for c, n in live if n > 1]
+        live += [[p[0], p[2]] for p in left if p[1] == 0 and p[2] > 0]
         left = [p for p in left if p[1] > 0]
-        seconds += true_cost(decodes, tokens, attention)
     return seconds
 
 
@@ -91,26 +96,46 @@ def test_the_queue_ahead_is_predicted_as_the_plan_would_run_it(decodes):
     model = StepCostModel()
     record(model, prefill_steps=16, decode_steps=16)
     target = 0.050
-    prompts = [(0, 700), (128, 300), (0, 1500), (0, 40)]
-    decode_attention = decodes * attention_pairs(600, 1)
-    predicted = model.prefill_wait_s(prompts, decodes, decode_attention, target, 16, 100_000)
-    simulated = simulated_wait(prompts, decodes, decode_attention, target, 16, model)
-    # The prediction counts whole steps of room; the plan cuts whole tokens: a step apart.
-    step = true_cost(decodes, 0, decode_attention) if decodes else BASE
+    prompts = [(0, 700, 0), (128, 300, 0), (0, 1500, 0), (0, 40, 0)]  # handed off, say
+    streams = [(600, 10_000)] * decodes
+    predicted = model.prefill_wait_s(prompts, streams, target, 16, 100_000)
+    simulated = simulated_wait(prompts, streams, target, 16, model)
+    # The prediction counts steps of room; the plan cuts whole tokens: a step apart.
+    step = true_cost(decodes, 0, decodes * attention_pairs(600, 1)) if decodes else BASE
     assert predicted is not None and abs(predicted - simulated) <= 2 * step + 1e-9
     # More queued ahead is never predicted sooner.
-    longer = model.prefill_wait_s(
-        [*prompts, (0, 500)], decodes, decode_attention, target, 16, 100_000
-    )
+    longer = model.prefill_wait_s([*prompts, (0, 500, 0)], streams, target, 16, 100_000)
     assert longer is not None and longer > predicted
+
+
+@pytest.mark.parametrize("decodes", [1, 2, 4, 5])
+def test_prompts_ahead_join_the_decodes_and_streams_leave_as_predicted(decodes):
+    """Colocated: each prompt ahead decodes once prefilled, so the prompts behind it get
+    less of each step, and streams whose outputs end leave (one stream leaving after 5
+    steps frees the whole budget for the queue). The prediction follows the plan through
+    both, where counting only the streams there now would promise first tokens early."""
+    model = StepCostModel()
+    record(model, prefill_steps=16, decode_steps=16)
+    target = true_cost(6, 0, 6 * attention_pairs(300, 1))  # six streams fill it
+    prompts = [(0, 300, 200), (0, 250, 150), (0, 400, 100), (0, 120, 50)]
+    streams = [(300 + 20 * i, 5 + 30 * i) for i in range(decodes)]  # leaving one by one
+    predicted = model.prefill_wait_s(prompts, streams, target, 16, 2048)
+    simulated = simulated_wait(prompts, streams, target, 16, model)
+    assert predicted is not None
+    assert abs(predicted - simulated) <= 0.05 * simulated
+    if decodes > 1:  # (one stream is gone before the first prompt ends: nothing to join)
+        handed_off = [(s, n, 0) for s, n, _ in prompts]
+        assert simulated > 1.15 * simulated_wait(handed_off, streams, target, 16, model)
+        optimistic = model.prefill_wait_s(handed_off, streams, target, 16, 2048)
+        assert optimistic is not None and optimistic < 0.85 * simulated
 
 
 def test_without_decodes_the_prompts_run_in_steps_of_the_token_budget():
     model = StepCostModel()
     record(model, prefill_steps=16, decode_steps=16)
-    prompts = [(0, 1000), (0, 1000)]
-    work = sum(PER_TOKEN * n + PER_ATTENTION * attention_pairs(s, n) for s, n in prompts)
-    wait = model.prefill_wait_s(prompts, 0, 0.0, 0.05, 16, 512)
+    prompts = [(0, 1000, 0), (0, 1000, 0)]
+    work = sum(PER_TOKEN * n + PER_ATTENTION * attention_pairs(s, n) for s, n, _ in prompts)
+    wait = model.prefill_wait_s(prompts, [], 0.05, 16, 512)
     assert wait == pytest.approx(work + math.ceil(2000 / 512) * BASE)
 
 
