@@ -190,22 +190,25 @@ class Scheduler:
         cached prefix) and its own, beside the streams decoding now and the prompts ahead
         that join them once prefilled (None while the step costs are unmeasured)."""
 
-        def decode_steps(r: Request) -> int:  # after its first token, at most
-            return 0 if r.prefill_only else r.sampling_params.max_tokens - r.num_output_tokens - 1
+        def outputs_left(r: Request) -> int:  # at most: max_tokens, not a stop, bounds it
+            return r.sampling_params.max_tokens - r.num_output_tokens
+
+        def prompt(r: Request, start: int) -> tuple[int, int, int]:
+            # A prefilled prompt makes its first token, then decodes the rest here unless
+            # it is handed off (a prefill worker's).
+            return (start, r.num_tokens - start, 0 if r.prefill_only else outputs_left(r) - 1)
 
         prompts: list[tuple[int, int, int]] = []
         streams: list[tuple[int, int]] = []
         for r in self.running:
-            left = r.num_tokens - r.num_computed_tokens
-            if left == 1:
-                streams.append(
-                    (r.num_computed_tokens, r.sampling_params.max_tokens - r.num_output_tokens)
-                )
+            if r.num_tokens - r.num_computed_tokens == 1:
+                streams.append((r.num_computed_tokens, outputs_left(r)))
             else:
-                prompts.append((r.num_computed_tokens, left, decode_steps(r)))
+                prompts.append(prompt(r, r.num_computed_tokens))
         for r in (*self.waiting, request):
-            cached = len(self.kv_cache.find_cached_prefix(r)) * self.kv_cache.block_size
-            prompts.append((cached, r.num_tokens - cached, decode_steps(r)))
+            prompts.append(
+                prompt(r, len(self.kv_cache.find_cached_prefix(r)) * self.kv_cache.block_size)
+            )
         return self.step_cost.prefill_wait_s(
             prompts, streams, self.tpot_target_s, self.kv_cache.block_size,
             self.max_num_batched_tokens,

@@ -28,7 +28,7 @@ import numpy as np
 ATTENTION_UNIT = 1e6  # query-key pairs per unit of the attention feature
 
 
-def attention_pairs(start: int, num_tokens: int) -> float:
+def attention_pairs(start: float, num_tokens: float) -> float:
     """Query-key pairs of `num_tokens` queries at positions start.. (causal), in units."""
     return num_tokens * (start + (num_tokens + 1) / 2) / ATTENTION_UNIT
 
@@ -125,18 +125,17 @@ class StepCostModel:
         base, _, per_token, per_attention = self.coefficients
 
         def work(start: float, tokens: float) -> float:
-            return per_token * tokens + per_attention * attention_pairs(int(start), int(tokens))
+            return per_token * tokens + per_attention * attention_pairs(start, tokens)
 
-        queue = [
-            [float(start), float(tokens), decode_steps] for start, tokens, decode_steps in prompts
-        ]
-        live = [[float(context), float(left)] for context, left in streams]
+        # [next position, tokens left, decode steps once prefilled]: a prompt part-way in.
+        queue = [[float(start), float(tokens), steps] for start, tokens, steps in prompts]
+        live = [[float(context), float(left)] for context, left in streams]  # [context, steps]
         seconds = 0.0
         while queue:
             joined = []
             if target_s > 0 and live:
                 head = queue[0]
-                decode_attention = sum(attention_pairs(int(c), 1) for c, _ in live)
+                decode_attention = sum(attention_pairs(c, 1) for c, _ in live)
                 decode_s = self.predict(len(live), 0, decode_attention)
                 if decode_s is None:
                     return None
