@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -337,17 +338,62 @@ struct Problem {
   const float* bias;  // fp32 or null
 };
 
-// Column units of `nb` blocks each, split over the threads; inside a thread, row chunks of
-// kMChunk rows turn over its units (the chunk's activations stay in cache).
+// [0, total) in runs of `run` (the last may be short): each thread owns an equal share of
+// the runs and walks it upward; one that finishes its own steals from the others' shares
+// from the top down, until every run is taken (per share, one counter of runs taken decides
+// who gets one, so no run is taken twice). f(begin, end, up) per run: up for the owner, not
+// for a thief. On a host where another tenant's work slows one core more than the other (a
+// busy sibling hardware thread), a static half each made the faster thread wait at the
+// join; here it takes over the slower one's last runs. Until then each thread walks its
+// columns in order, touching only its own share's counter, as with the static split, and
+// the block whose weights it prefetches is the one it multiplies next. Which thread computes
+// a column changes none of its bits (threads split columns, never K).
+template <typename F>
+void for_stealing(int64_t total, int64_t run, F&& f) {
+  const int64_t runs = (total + run - 1) / run;
+  const int64_t threads = std::clamp<int64_t>(at::get_num_threads(), 1, std::max<int64_t>(runs, 1));
+  struct alignas(64) Share {
+    std::atomic<int64_t> taken{0}, from_top{0};
+  };
+  std::vector<Share> shares(threads);
+  auto first = [&](int64_t t) { return runs * t / threads; };
+  auto go = [&](int64_t r, bool up) { f(r * run, std::min(total, (r + 1) * run), up); };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t size = first(t + 1) - first(t);
+      for (int64_t i = 0; shares[t].taken.fetch_add(1) < size; ++i) go(first(t) + i, true);
+      for (int64_t v = (t + 1) % threads; v != t; v = (v + 1) % threads)
+        while (shares[v].taken.fetch_add(1) < first(v + 1) - first(v))
+          go(first(v + 1) - 1 - shares[v].from_top.fetch_add(1), false);
+    }
+  });
+}
+
+// Runs of about 1/64 of a thread's share: short enough that a thief takes over within a few
+// microseconds of the end, long enough that the counters are touched rarely.
+constexpr int64_t kRunsPerThread = 64;
+
+inline int64_t run_length(int64_t total, int64_t align) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t run = std::max<int64_t>(1, total / (threads * kRunsPerThread));
+  return (run + align - 1) / align * align;
+}
+
+// Column units of `nb` blocks each, in runs over the threads (for_stealing); inside a run, row
+// chunks of kMChunk rows turn over its units (the chunk's activations stay in cache).
+// body(m0, m1, b0, nb, next): `next` is the first block of the unit this thread takes next
+// in its direction (-1 at the ends), whose weights it may prefetch.
 template <typename F>
 void for_units(const Problem& pr, int nb, F&& body) {
   const int64_t units = (pr.nblocks + nb - 1) / nb;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+  for_stealing(units, run_length(units, 1), [&](int64_t u0, int64_t u1, bool up) {
     for (int64_t m0 = 0; m0 < pr.m; m0 += kMChunk) {
       const int64_t m1 = std::min(pr.m, m0 + kMChunk);
-      for (int64_t u = u0; u < u1; ++u) {
+      for (int64_t i = 0; i < u1 - u0; ++i) {
+        const int64_t u = up ? u0 + i : u1 - 1 - i, next = up ? u + 1 : u - 1;
         const int64_t b0 = u * nb;
-        body(m0, m1, b0, std::min<int64_t>(nb, pr.nblocks - b0));
+        body(m0, m1, b0, std::min<int64_t>(nb, pr.nblocks - b0),
+             next >= 0 && next < units ? next * nb : -1);
       }
     }
   });
@@ -383,7 +429,7 @@ template <typename T, typename W>
 AVX512_TARGET void gemm_fma_avx512(const Problem& pr, const float* x, const W* w, T* y) {
   const int64_t bstride = std::is_same_v<W, c10::BFloat16> ? ((pr.k + 31) / 32) * 32 * kBlock
                                                            : pr.k * kBlock;
-  for_units(pr, 4, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
+  for_units(pr, 4, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb, int64_t) {
     switch (nb) {
       case 4: fma_rows_avx512<T, W, 4>(pr, x, w, bstride, y, m0, m1, b0); break;
       case 3: fma_rows_avx512<T, W, 3>(pr, x, w, bstride, y, m0, m1, b0); break;
@@ -409,16 +455,17 @@ AVX2_TARGET void fma_tile_avx2(const Problem& pr, const float* x, const W* w, in
 
 // Rows [m0, m1) of column block b: tiles of 6 rows, then the last 1-5 rows as one tile (one
 // pass over the block's weights with independent FMA chains per row; row by row, each pass
-// would wait on one chain's latency). The tiles prefetch the next block's weights into L2,
-// spread over their K loops, so DRAM streams the next block while this one is multiplied.
+// would wait on one chain's latency). The tiles prefetch the weights of block `next` (the
+// one this thread takes next, -1: none) into L2, spread over their K loops, so DRAM streams
+// it while this one is multiplied.
 // Measured on the AVX2 host, SmolLM2's 120 float32 linears against no software prefetch:
 // 4 rows 1.2x, 16 rows 1.3x, 64 rows 1.1x faster, 1 row the same (the hardware prefetcher
 // keeps up there). Only where the data goes changes, never the arithmetic.
 template <typename T, typename W>
 AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, int64_t bstride,
-                               T* y, int64_t m0, int64_t m1, int64_t b) {
-  const int64_t next = b + 1 < pr.nblocks ? bstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
-  AheadShares ahead(w + (b + 1) * bstride, next, (m1 - m0 + 5) / 6);
+                               T* y, int64_t m0, int64_t m1, int64_t b, int64_t next) {
+  const int64_t lines = next >= 0 ? bstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
+  AheadShares ahead(w + std::max<int64_t>(next, 0) * bstride, lines, (m1 - m0 + 5) / 6);
   int64_t r = m0;
   for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b, ahead.take());
   switch (m1 - r) {
@@ -466,7 +513,8 @@ AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T*
   const int64_t bstride = std::is_same_v<W, c10::BFloat16> ? ((pr.k + 31) / 32) * 32 * kBlock
                                                            : pr.k * kBlock;
   if (pr.m == 1 || (pr.m == 2 && !std::is_same_v<W, c10::BFloat16>)) {
-    at::parallel_for(0, pr.nblocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t tile = pr.m == 1 ? 4 : 3;  // fma_few_rows_avx2's NB
+    for_stealing(pr.nblocks, run_length(pr.nblocks, tile), [&](int64_t b0, int64_t b1, bool) {
       if (pr.m == 1)
         fma_few_rows_avx2<T, W, 1>(pr, x, w, bstride, y, b0, b1);
       else
@@ -474,8 +522,8 @@ AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T*
     });
     return;
   }
-  for_units(pr, 1, [&](int64_t m0, int64_t m1, int64_t b0, int64_t) {
-    fma_rows_avx2<T, W>(pr, x, w, bstride, y, m0, m1, b0);
+  for_units(pr, 1, [&](int64_t m0, int64_t m1, int64_t b0, int64_t, int64_t next) {
+    fma_rows_avx2<T, W>(pr, x, w, bstride, y, m0, m1, b0, next);
   });
 }
 
@@ -494,17 +542,17 @@ BF16_TARGET void dp_tile(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
 }
 
 // Rows [m0, m1) of one column unit (NB blocks from b0): tiles of 8 rows, then 4, then 1.
-// With two tiles or more, the `next` cache lines of weights after the unit's (the next
-// unit's) are prefetched into L2 over them: DRAM streams the next unit while these tiles
-// work on this one from cache, instead of every unit's first tile waiting on DRAM. Only
-// where the data goes changes, never the arithmetic.
+// With two tiles or more, `next_lines` cache lines of weights from block `next` (the unit
+// this thread takes next) are prefetched into L2 over them: DRAM streams that unit while
+// these tiles work on this one from cache, instead of every unit's first tile waiting on
+// DRAM. Only where the data goes changes, never the arithmetic.
 template <typename T, int NB>
 BF16_TARGET void dp_rows(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
                          const c10::BFloat16* w, int64_t bstride, T* y, int64_t m0,
-                         int64_t m1, int64_t b0, int64_t next) {
+                         int64_t m1, int64_t b0, int64_t next, int64_t next_lines) {
   const int64_t rows = m1 - m0;
   const int64_t tiles = rows / 8 + (rows % 8) / 4 + rows % 4;
-  AheadShares ahead(w + (b0 + NB) * bstride, tiles > 1 ? next : 0, tiles);
+  AheadShares ahead(w + std::max<int64_t>(next, 0) * bstride, tiles > 1 ? next_lines : 0, tiles);
   int64_t r = m0;
   for (; r + 8 <= m1; r += 8) dp_tile<T, 8, NB>(pr, x, ldx, w, bstride, y, r, b0, ahead.take());
   for (; r + 4 <= m1; r += 4) dp_tile<T, 4, NB>(pr, x, ldx, w, bstride, y, r, b0, ahead.take());
@@ -518,13 +566,13 @@ BF16_TARGET void gemm_dp(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
                          const c10::BFloat16* w, T* y) {
   const int64_t bstride = ((pr.k + 31) / 32) * 32 * kBlock;
   constexpr int kUnit = 3;
-  for_units(pr, kUnit, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
-    const int64_t next_blocks = std::min<int64_t>(kUnit, pr.nblocks - b0 - nb);
-    const int64_t next = next_blocks * bstride * 2 / 64;  // bf16 weights, 64-byte lines
+  for_units(pr, kUnit, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb, int64_t next) {
+    const int64_t next_blocks = next >= 0 ? std::min<int64_t>(kUnit, pr.nblocks - next) : 0;
+    const int64_t lines = next_blocks * bstride * 2 / 64;  // bf16 weights, 64-byte lines
     switch (nb) {
-      case 3: dp_rows<T, 3>(pr, x, ldx, w, bstride, y, m0, m1, b0, next); break;
-      case 2: dp_rows<T, 2>(pr, x, ldx, w, bstride, y, m0, m1, b0, next); break;
-      default: dp_rows<T, 1>(pr, x, ldx, w, bstride, y, m0, m1, b0, next); break;
+      case 3: dp_rows<T, 3>(pr, x, ldx, w, bstride, y, m0, m1, b0, next, lines); break;
+      case 2: dp_rows<T, 2>(pr, x, ldx, w, bstride, y, m0, m1, b0, next, lines); break;
+      default: dp_rows<T, 1>(pr, x, ldx, w, bstride, y, m0, m1, b0, next, lines); break;
     }
   });
 }
@@ -588,7 +636,7 @@ AMX_TARGET void amx_unit(const Problem& pr, const c10::BFloat16* x, int64_t ldx,
 template <typename T>
 void gemm_amx(const Problem& pr, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w,
               T* y) {
-  for_units(pr, 2, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb) {
+  for_units(pr, 2, [&](int64_t m0, int64_t m1, int64_t b0, int64_t nb, int64_t) {
     amx_unit(pr, x, ldx, w, y, m0, m1, b0, nb);
   });
 }

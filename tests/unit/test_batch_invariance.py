@@ -91,6 +91,34 @@ def test_one_and_two_rows_match_a_larger_batch_at_every_block_count(dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_column_is_computed_once_whatever_the_thread_count(dtype):
+    """The threads take runs of column blocks from both ends of their pair's share until
+    they meet (an odd thread count leaves one thread alone on the last share). With 150
+    blocks and a partial one, runs are several blocks long: every column must come out, each
+    once, with the bits one thread gives, at 1 to 4 threads, on the few-row and tiled paths."""
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(11)
+    n, k = 16 * 150 + 5, 72
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(19, k, generator=gen).to(dtype)
+    packed = gemm.pack(weight)
+    want = reference.linear(x.double(), weight.double(), bias.double()).float()
+    try:
+        for path in _runnable_paths(dtype):
+            for m in (1, 2, 5, 19):
+                torch.set_num_threads(1)
+                alone = gemm.gemm(x[:m], packed, n, bias, path, out_float32=True)
+                torch.testing.assert_close(alone, want[:m], atol=1e-2, rtol=1e-2)
+                for t in (2, 3, 4):
+                    torch.set_num_threads(t)
+                    got = gemm.gemm(x[:m], packed, n, bias, path, out_float32=True)
+                    assert torch.equal(got, alone), (path, m, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fma_paths_agree_bit_for_bit():
     """AVX2 and AVX-512 accumulate in the same order: one answer for a dtype on either."""
     if "avx512" not in _runnable_paths(torch.float32):
