@@ -11,7 +11,10 @@ run: the memory floor (the whole model's weights read once per step, lm_head inc
 the batch's KV cache, at the memory-read rate) and the compute floor (the step's matmul FLOPs
 at the best bf16/fp32 matmul rate measured: a 2048³ `mm`, and the 120 linears at 512 rows on
 the fast path); `step_over_floor` is the step's time over the larger of the two (issue
-target: within 1.5x at batch 1, 16 and 64).
+target: within 1.5x at batch 1, 16 and 64). `floors_beside_each_step` does the same for the
+invariant path with rates probed right after each timed step (Probe), the median of the
+per-step ratios: on a shared host the rates drift by a third within minutes, and the
+whole run's rates come from other minutes than the steps (`make bench-targets` scores this).
 
 `layer_loop` times the invariant engine's steps again, alternating step by step between
 the decode layers in one C++ call (the default, `kernels/dense_layers.py`) and the per-op
@@ -42,14 +45,33 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M, fus
 PATHS = {"invariant": "1", "fast": "0"}
 
 
-def read_gb_per_s() -> float:
-    big = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
+def read_gb_per_s(big: torch.Tensor | None = None, repeat: int = 5) -> float:
+    big = torch.ones(256 * 1024 * 1024) if big is None else big  # 1 GiB of float32
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeat):
         start = time.perf_counter()
         big.sum()
         best = min(best, time.perf_counter() - start)
     return big.numel() * 4 / best / 1e9
+
+
+class Probe:
+    """The machine's rates right now, by the whole run's probes (a float32 `sum` over 1 GiB,
+    best of 2; one 2048³ `mm` in the step's dtype): taken after each timed step, so
+    that step's floors come from the same moment. On a shared host the rates drift by a
+    third within minutes (another tenant on the cores' sibling hardware threads), so floors
+    measured minutes apart from a step are not that step's."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.big = torch.ones(256 * 1024 * 1024)
+        self.a = torch.randn(2048, 2048).to(dtype)
+
+    def __call__(self) -> tuple[float, float]:
+        """(read GB/s, matmul GFLOP/s)"""
+        read = read_gb_per_s(self.big, repeat=2)
+        start = time.perf_counter()
+        self.a @ self.a
+        return read, 2 * 2048**3 / (time.perf_counter() - start) / 1e9
 
 
 def time_linears(rows: int, dtype: torch.dtype, repeat: int = 5) -> float:
@@ -99,6 +121,18 @@ def model_shape(model_dir: str) -> dict[str, int]:
     }
 
 
+def step_floors(
+    batch: int, shape: dict[str, int], context: int, itemsize: int, read_gb_s: float, gflops: float
+) -> dict[str, float]:
+    weight_ms = shape["dense_weights"] * itemsize / read_gb_s / 1e6
+    kv_ms = batch * context * shape["kv_elements_per_token"] * itemsize / read_gb_s / 1e6
+    return {
+        "weight_read_floor_ms": weight_ms,
+        "memory_floor_ms": weight_ms + kv_ms,
+        "compute_floor_ms": 2 * batch * shape["dense_weights"] / gflops / 1e6,
+    }
+
+
 def floors(
     steps_ms: dict[str, float],
     shape: dict[str, int],
@@ -109,17 +143,34 @@ def floors(
 ) -> dict[str, Any]:
     out = {}
     for batch, ms in steps_ms.items():
-        b = int(batch)
-        weight_ms = shape["dense_weights"] * itemsize / read_gb_s / 1e6
-        kv_ms = b * context * shape["kv_elements_per_token"] * itemsize / read_gb_s / 1e6
-        compute_ms = 2 * b * shape["dense_weights"] / gflops / 1e6
-        floor = max(weight_ms + kv_ms, compute_ms)
+        f = step_floors(int(batch), shape, context, itemsize, read_gb_s, gflops)
+        floor = max(f["memory_floor_ms"], f["compute_floor_ms"])
+        out[batch] = {"step_ms": ms, **{k: round(v, 2) for k, v in f.items()}}
+        out[batch]["step_over_floor"] = round(ms / floor, 2)
+    return out
+
+
+def floors_beside(
+    probed: dict[str, list[tuple[float, float, float]]],
+    shape: dict[str, int],
+    context: int,
+    itemsize: int,
+    margin: float,
+) -> dict[str, Any]:
+    """Each timed step of the invariant path over the floors from the probe taken right
+    after it (Probe; its matmul rate times `margin`, the whole run's best rate over its
+    `mm`): the median of those ratios by batch, with the probes' median rates."""
+    out = {}
+    for batch, samples in probed.items():
+        ratios = []
+        for ms, read, gflops in samples:
+            f = step_floors(int(batch), shape, context, itemsize, read, gflops * margin)
+            ratios.append(ms / max(f["memory_floor_ms"], f["compute_floor_ms"]))
         out[batch] = {
-            "step_ms": ms,
-            "weight_read_floor_ms": round(weight_ms, 2),
-            "memory_floor_ms": round(weight_ms + kv_ms, 2),
-            "compute_floor_ms": round(compute_ms, 2),
-            "step_over_floor": round(ms / floor, 2),
+            "step_ms": round(statistics.median(s[0] for s in samples), 2),
+            "read_gb_per_s": round(statistics.median(s[1] for s in samples), 1),
+            "matmul_gflops": round(statistics.median(s[2] for s in samples), 1),
+            "step_over_floor": round(statistics.median(ratios), 2),
         }
     return out
 
@@ -129,10 +180,15 @@ STEPS = 15  # decode steps timed per batch size (their median is reported)
 
 
 def engine_steps(
-    batches: list[int], threads: int, dtype: str, alternate: str | None = None
-) -> dict[str, dict[str, float]]:
+    batches: list[int],
+    threads: int,
+    dtype: str,
+    alternate: str | None = None,
+    probe: Probe | None = None,
+) -> dict[str, dict[str, Any]]:
     """Median step ms by batch: {"steps": ...}, and with `alternate` (an environment switch)
-    also {"off_steps": ...} from steps taken in turn with that switch at "0"."""
+    also {"off_steps": ...} from steps taken in turn with that switch at "0"; with `probe`,
+    {"probed": ...}: each step's (ms, read GB/s, GFLOP/s) with the probe taken after it."""
     from pdserve.common.config import EngineConfig
     from pdserve.common.engine import LLMEngine
     from pdserve.common.sampling_params import SamplingParams
@@ -147,7 +203,7 @@ def engine_steps(
     # Long enough that no sequence finishes while the others are still in prefill (with 60
     # tokens, "batch 64" measured steps of about 20 sequences), and aborted once timed.
     params = SamplingParams(max_tokens=4 * CONTEXT, temperature=0, ignore_eos=True)
-    out: dict[str, dict[str, float]] = {"steps": {}, "off_steps": {}}
+    out: dict[str, dict[str, Any]] = {"steps": {}, "off_steps": {}, "probed": {}}
     for batch in batches:
         prompts = [[rng.randrange(100, 49000) for _ in range(CONTEXT)] for _ in range(batch)]
         ids = [engine.add_request(prompt, params).request_id for prompt in prompts]
@@ -165,6 +221,9 @@ def engine_steps(
             start = time.perf_counter()
             engine.step()
             times[kind].append(time.perf_counter() - start)
+            if probe is not None:
+                rates = probe()
+                out["probed"].setdefault(str(batch), []).append((times[kind][-1] * 1e3, *rates))
         if alternate:
             os.environ.pop(alternate)
         for kind, samples in times.items():
@@ -200,9 +259,14 @@ def main() -> int:
         linears.append(row)
     batches = [int(b) for b in args.batches.split(",")]
     steps = {}
+    probed = {}
     for name, flag in PATHS.items():
         os.environ[invariant_gemm.INVARIANT_ENV] = flag
-        steps[name] = engine_steps(batches, args.threads, args.dtype)["steps"]
+        timed = engine_steps(
+            batches, args.threads, args.dtype, probe=Probe(dtype) if name == "invariant" else None
+        )
+        steps[name] = timed["steps"]
+        probed = probed or timed["probed"]
     os.environ.pop(invariant_gemm.INVARIANT_ENV)
     looped = engine_steps(batches, args.threads, args.dtype, alternate=dense_layers.LOOP_ENV)
     loop, per_op = looped["steps"], looped["off_steps"]
@@ -228,10 +292,13 @@ def main() -> int:
     best_rate = max(rates.values())
     # The 15 timed steps run 1-16 tokens past the prompt: their middle.
     ctx = CONTEXT + 8
-    step_floors = {
+    path_floors = {
         name: floors(times, shape, ctx, dtype.itemsize, read, best_rate)
         for name, times in steps.items()
     }
+    # The probes time `mm`; where the fast path's linears beat it (oneDNN's packed bf16 at
+    # the model's shapes), the whole run's rate is the linears', so carry that margin over.
+    margin = best_rate / rates["mm_2048"]
     print(
         json.dumps(
             {
@@ -251,7 +318,10 @@ def main() -> int:
                 "model_weights_read_per_step_mb": round(
                     shape["dense_weights"] * dtype.itemsize / 1e6, 1
                 ),
-                "floors": step_floors,
+                "floors": path_floors,
+                "floors_beside_each_step": floors_beside(
+                    probed, shape, ctx, dtype.itemsize, margin
+                ),
             },
             indent=2,
         )

@@ -56,6 +56,20 @@ def test_decode_steps_are_judged_per_batch_and_a_missing_batch_is_not_measured()
     assert rows["decode_step_over_floor@batch16"]["want"] == "<= 1.5"
 
 
+def test_decode_steps_are_judged_by_the_floors_probed_beside_them_where_measured():
+    report = {
+        "floors": {"invariant": {"1": {"step_over_floor": 1.6}, "16": {"step_over_floor": 1.4}}},
+        "floors_beside_each_step": {
+            "1": {"step_over_floor": 1.3},
+            "16": {"step_over_floor": 1.7},
+        },
+    }
+    rows = by_name(targets.score_decode(report))
+    one, sixteen = rows["decode_step_over_floor@batch1"], rows["decode_step_over_floor@batch16"]
+    assert (one["figure"], one["met"], one["whole_run_figure"]) == (1.3, True, 1.6)
+    assert (sixteen["figure"], sixteen["met"], sixteen["whole_run_figure"]) == (1.7, False, 1.4)
+
+
 def test_offline_fraction_is_at_least_its_bar():
     assert targets.score_offline({"pdserve_fraction_of_ceiling": 0.6})[0]["met"] is True
     assert targets.score_offline({"pdserve_fraction_of_ceiling": 0.59})[0]["met"] is False
