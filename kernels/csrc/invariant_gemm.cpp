@@ -453,11 +453,13 @@ AVX2_TARGET void fma_tile_avx2(const Problem& pr, const float* x, const W* w, in
     }
 }
 
-// Rows [m0, m1) of column block b: tiles of 6 rows, then the last 1-5 rows as one tile (one
-// pass over the block's weights with independent FMA chains per row; row by row, each pass
-// would wait on one chain's latency). The tiles prefetch the weights of block `next` (the
-// one this thread takes next, -1: none) into L2, spread over their K loops, so DRAM streams
-// it while this one is multiplied.
+// Rows [m0, m1) of column block b in ceil(rows / 6) tiles of as even a height as they can
+// be (16 rows: 6 + 5 + 5, where 6 + 6 + 4 left the last tile 8 FMA chains: 0.94x the time
+// of the 120 float32 linears at 16 rows on Zen 3, two alternating runs); each tile is one
+// pass over the block's weights with independent FMA chains per row (row by row, each pass
+// would wait on one chain's latency). A tile's height never changes an element's sum. The
+// tiles prefetch the weights of block `next` (the one this thread takes next, -1: none) into
+// L2, spread over their K loops, so DRAM streams it while this one is multiplied.
 // Measured on the AVX2 host, SmolLM2's 120 float32 linears against no software prefetch:
 // 4 rows 1.2x, 16 rows 1.3x, 64 rows 1.1x faster, 1 row the same (the hardware prefetcher
 // keeps up there). Only where the data goes changes, never the arithmetic.
@@ -467,14 +469,18 @@ AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, in
   const int64_t lines = next >= 0 ? bstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
   AheadShares ahead(w + std::max<int64_t>(next, 0) * bstride, lines, (m1 - m0 + 5) / 6);
   int64_t r = m0;
-  for (; r + 6 <= m1; r += 6) fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b, ahead.take());
-  switch (m1 - r) {
-    case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b, ahead.take()); break;
-    case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b, ahead.take()); break;
-    case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b, ahead.take()); break;
-    case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b, ahead.take()); break;
-    case 1: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b, ahead.take()); break;
-    default: break;
+  const int64_t rows = m1 - m0, tiles = (rows + 5) / 6, base = rows / tiles;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n = base + (t < rows % tiles ? 1 : 0);
+    switch (n) {
+      case 6: fma_tile_avx2<T, W, 6>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+      case 5: fma_tile_avx2<T, W, 5>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+      case 4: fma_tile_avx2<T, W, 4>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+      case 3: fma_tile_avx2<T, W, 3>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+      case 2: fma_tile_avx2<T, W, 2>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+      default: fma_tile_avx2<T, W, 1>(pr, x, w, bstride, y, r, b, ahead.take()); break;
+    }
+    r += n;
   }
 }
 
