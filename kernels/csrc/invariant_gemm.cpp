@@ -467,9 +467,9 @@ template <typename T, typename W>
 AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, int64_t bstride,
                                T* y, int64_t m0, int64_t m1, int64_t b, int64_t next) {
   const int64_t lines = next >= 0 ? bstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
-  AheadShares ahead(w + std::max<int64_t>(next, 0) * bstride, lines, (m1 - m0 + 5) / 6);
-  int64_t r = m0;
   const int64_t rows = m1 - m0, tiles = (rows + 5) / 6, base = rows / tiles;
+  AheadShares ahead(w + std::max<int64_t>(next, 0) * bstride, lines, tiles);
+  int64_t r = m0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n = base + (t < rows % tiles ? 1 : 0);
     switch (n) {
