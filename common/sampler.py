@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.kernels import fused_ops
 
 
 class TokenLogprobs(NamedTuple):
@@ -103,10 +104,10 @@ class Sampler:
 
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if len(greedy) == n:  # the common case: no copy of the [n, vocab] logits
-            tokens = logits.argmax(dim=-1)
+            tokens = fused_ops.argmax(logits)
         elif greedy:
             rows = torch.tensor(greedy, device=device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
+            tokens[rows] = fused_ops.argmax(logits[rows])
 
         rand = [i for i, sp in enumerate(params) if not sp.greedy]
         if rand:

@@ -1,6 +1,6 @@
 """Per-token operations between the matmuls of each layer: residual add + RMSNorm, rotary
 embedding (rotate-half form) and SiLU-and-multiply, in the reference model's order and
-rounding.
+rounding; and the sampler's greedy argmax over the logits.
 
 The model runner calls these for every layer of every step. On CPU the C++ extension
 (`csrc/fused_ops.cpp`) serves rotary in every dtype (bit for bit torch's formulation in
@@ -102,6 +102,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return ext.silu_and_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [N] int64 for logits [N, V]: `logits.argmax(dim=-1)`'s answer (the
+    first index on ties, the first NaN where a row has one), by the C++ kernel for float32 CPU
+    rows."""
+    ext = extension_for(logits)
+    served = logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+    if ext is not None and ext.fast_f32 and served:
+        return ext.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def rotary(

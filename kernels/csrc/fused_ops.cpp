@@ -13,6 +13,10 @@
 //   into a new tensor and an in-place multiply, with torch's two roundings (silu rounded, then
 //   the product). Its exp is the attention kernels' polynomial, not torch's, so an element
 //   can differ from torch's by an ulp or so; it is elementwise, so no bit depends on the batch.
+// - Greedy argmax over float32 logits rows (the sampler's common case): torch's argmax walks a
+//   row one element at a time (~30 us for SmolLM2's 49152-token vocabulary, ~0.5 ms a step at
+//   batch 16); this one compares 32 at a time and gives torch's answer (first index on ties,
+//   the first NaN where there is one).
 // float32 ops are compiled for AVX2 + FMA by target attribute (called only where the CPU has
 // both); the bf16 ops are built only where AVX-512 BF16 exists; elsewhere the torch path serves.
 #include <ATen/Parallel.h>
@@ -110,6 +114,64 @@ F32_TARGET void silu_and_mul_row_f32(const float* gate, const float* up, float* 
   }
 }
 
+// The index of the row's largest value: the first on ties, and the first NaN's where the row
+// has one (torch.argmax's answer on CPU). Four independent compare-and-blend chains of 8
+// lanes, each keeping its first maximum, then the largest value's smallest index among them.
+F32_TARGET int64_t argmax_row_f32(const float* x, int64_t n) {
+  constexpr int kChains = 4;
+  int64_t i = 0, best_at = 0;
+  float best_v = x[0];
+  bool nan = false;
+  if (n >= 8 * kChains) {
+    __m256 best[kChains], seen_nan = _mm256_setzero_ps();
+    __m256i at[kChains], idx[kChains];
+    const __m256i step = _mm256_set1_epi32(8 * kChains);
+    for (int c = 0; c < kChains; ++c) {
+      idx[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                _mm256_set1_epi32(8 * c));
+      at[c] = idx[c];
+      best[c] = _mm256_loadu_ps(x + 8 * c);
+      seen_nan = _mm256_or_ps(seen_nan, _mm256_cmp_ps(best[c], best[c], _CMP_UNORD_Q));
+    }
+    for (i = 8 * kChains; i + 8 * kChains <= n; i += 8 * kChains) {
+      for (int c = 0; c < kChains; ++c) {
+        idx[c] = _mm256_add_epi32(idx[c], step);
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+        const __m256 gt = _mm256_cmp_ps(v, best[c], _CMP_GT_OQ);
+        best[c] = _mm256_blendv_ps(best[c], v, gt);
+        at[c] = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(at[c]), _mm256_castsi256_ps(idx[c]), gt));
+        seen_nan = _mm256_or_ps(seen_nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+    }
+    nan = !_mm256_testz_ps(seen_nan, seen_nan);
+    alignas(32) float vals[8 * kChains];
+    alignas(32) int32_t ats[8 * kChains];
+    for (int c = 0; c < kChains; ++c) {
+      _mm256_store_ps(vals + 8 * c, best[c]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ats + 8 * c), at[c]);
+    }
+    best_v = vals[0];
+    best_at = ats[0];
+    for (int l = 1; l < 8 * kChains; ++l)
+      if (vals[l] > best_v || (vals[l] == best_v && ats[l] < best_at)) {
+        best_v = vals[l];
+        best_at = ats[l];
+      }
+  }
+  for (; i < n; ++i) {  // the tail (or a short row): later indices win only when larger
+    nan = nan || std::isnan(x[i]);
+    if (x[i] > best_v) {
+      best_v = x[i];
+      best_at = i;
+    }
+  }
+  if (nan)
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  return best_at;
+}
+
 bool cpu_has_avx2_fma() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
@@ -194,11 +256,11 @@ void rotary_(torch::Tensor qkv, const torch::Tensor& positions, const torch::Ten
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.size(2) == head_dim, "cos_sin");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qkv.size(0), "positions");
   TORCH_CHECK(heads * head_dim <= qkv.size(1) && head_dim % 2 == 0, "heads");
-  if (positions.numel() > 0) {
-    const int64_t max_pos = positions.max().item<int64_t>();
-    TORCH_CHECK(positions.min().item<int64_t>() >= 0 && max_pos < cos_sin.size(0),
-                "positions outside the rotary table");
-  }
+  // A plain loop: two torch reductions here cost more than the rotation itself at decode.
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "position ", pos[t],
+                " outside the rotary table of ", cos_sin.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_", [&] {
     rotary_impl<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.size(1), positions.data_ptr<int64_t>(),
                           cos_sin.data_ptr<float>(), qkv.size(0), heads, head_dim);
@@ -274,12 +336,30 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 #endif
 }
 
+// logits [N, V] float32 -> int64 [N]: each row's argmax (argmax_row_f32), a row per thread.
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  check_cpu_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
+                  logits.size(1) < (int64_t{1} << 31),
+              "argmax_rows: float32 [N, V] with 0 < V < 2^31");
+  TORCH_CHECK(cpu_has_avx2_fma(), "argmax_rows: needs AVX2+FMA");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row_f32(x + r * vocab, vocab);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("fast_bf16") = py::bool_(PDSERVE_FAST_BF16);  // add_rms_norm, silu_and_mul in bf16
   m.attr("fast_f32") = py::bool_(cpu_has_avx2_fma());   // ... and in float32
   m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
   static_assert(std::is_same_v<decltype(&add_rms_norm), pdserve_entry::AddRmsNormFn>);
   static_assert(std::is_same_v<decltype(&rotary_), pdserve_entry::RotaryFn>);
   static_assert(std::is_same_v<decltype(&silu_and_mul), pdserve_entry::SiluAndMulFn>);

@@ -178,3 +178,35 @@ def test_float32_rotary_is_torchs_bit_for_bit(monkeypatch):
     monkeypatch.setenv(fused_ops.FUSED_ENV, "0")
     assert fused_ops.extension_for(qkv) is None
     assert torch.equal(fused_ops.rotary(qkv.clone(), positions, cos_sin, 12, 64), fused)
+
+
+def _first_argmax(row: list[float]) -> int:
+    """The naive answer: the first NaN if the row has one, else the first largest value."""
+    nans = [i for i, v in enumerate(row) if v != v]
+    if nans:
+        return nans[0]
+    best = max(row)
+    return row.index(best)
+
+
+@pytest.mark.parametrize("width", [1, 7, 31, 32, 33, 100, 1000, 49152])
+def test_argmax_is_the_first_largest_index(width):
+    _f32_ext()
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(16, width, generator=gen)
+    # Rows 1-7: the maximum twice or more, at places that land in different chains and lanes,
+    # the vector part and the scalar tail; the first must win.
+    top = rows.max() + 1
+    for r, places in enumerate([[0, -1], [-1, 0], [5, 3], [40, 8], [9, 41, 73], [-2, -1], [1, 2]]):
+        for p in places:
+            rows[1 + r, p % width] = top
+    rows[8] = float("-inf")  # no finite value: index 0
+    rows[9, width // 2] = float("nan")  # a NaN wins, as in torch
+    rows[10, width - 1] = float("nan")
+    rows[10, 0] = float("inf")
+    got = fused_ops.argmax(rows)
+    assert got.dtype == torch.long
+    assert got.tolist() == [_first_argmax(row) for row in rows.tolist()]
+    assert torch.equal(got, rows.argmax(dim=-1))
+    # A row's answer does not depend on the rows beside it.
+    assert [fused_ops.argmax(rows[i : i + 1]).item() for i in range(16)] == got.tolist()
