@@ -38,14 +38,42 @@ using pdserve_simd::exp8;
 // inner steps (spread_prefetch.h).
 using pdserve_prefetch::Spread;
 
+// Lane i of the result = sum of the 8 lanes of v[i] (pairwise hadds, then the two halves).
+inline __m256 sum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = [v0..v3 low-half sums | v0..v3 high-half sums], u1 the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The scores of one query (float, D a multiple of 8) against up to 8 keys kstride apart, as
+// the lanes of the result. With rem < 8 keys, the absent lanes re-read the last key and are
+// never stored: a lane's sum involves only its own key, so the present lanes' bits are those
+// of a full group.
+template <typename T>
+inline __m256 scores8(const float* q, int D, const T* k, int64_t kstride, int rem,
+                      Spread& spread) {
+  int64_t off[8];
+  for (int u = 0; u < 8; ++u) off[u] = (u < rem ? u : rem - 1) * kstride;
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k + off[u] + c), acc[u]);
+    spread.step();
+  }
+  return sum8x8(acc);
+}
+
 // The scores of NQ query vectors (float, D apart; D a multiple of 8) against 4 keys kstride
-// apart, as the 4 lanes of out[q]. Each key is loaded once for all NQ queries (an earlier
-// kernel scored one query against 8 keys and loaded every key once per query: 0.96x the
-// float32 decode time at batch 16 and 64, 0.88x in bf16, same bits). A key's score is one
-// FMA chain per lane over the head's 8-float chunks from zero, then a fixed tree over its 8
-// lanes, ((0+1)+(2+3)) + ((4+5)+(6+7)), so the bits do not depend on how many keys or
-// queries one call carries. With rem < 4 keys the absent lanes re-read the last present key
-// and are never stored.
+// apart, as the 4 lanes of out[q]. Each key is loaded once for all NQ queries (scores8 loads
+// it once per query: against it, decode at 3 queries a group took 0.96x the float32 time at
+// batch 16 and 64, 0.88x with a bf16 cache). A key's score is scores8's: one FMA chain per
+// lane over the head's 8-float chunks from zero, then the same tree over its 8 lanes,
+// ((0+1)+(2+3)) + ((4+5)+(6+7)), so the two kernels give the same bits. With rem < 4 keys
+// the absent lanes re-read the last present key and are never stored.
 template <typename T, int NQ>
 inline void scores4(const float* q, int D, const T* k, int64_t kstride, int rem, Spread& spread,
                     __m128* out) {
@@ -70,43 +98,52 @@ inline void scores4(const float* q, int D, const T* k, int64_t kstride, int rem,
   }
 }
 
-// How qk_avx2 groups nq queries: 3 at a time (12 accumulators, 3 queries and a key: AVX2's
-// 16 registers), else 2, then 1; 4 as 2 + 2.
-inline int query_group(int left) { return left == 3 ? 3 : left >= 2 ? 2 : 1; }
+// qk_avx2 for three queries by scores4 (kept out of line: inlined, it slowed prefill's
+// four-query calls 3-5%).
+template <typename T>
+__attribute__((noinline)) void qk3_avx2(const float* qf, int D, const T* k, int64_t kstride,
+                                        int n, float* s, int64_t ld, const void* pf,
+                                        int64_t pf_lines) {
+  Spread spread(pf, pf_lines, static_cast<int64_t>((n + 3) / 4) * (D / 8));
+  for (int t = 0; t < n; t += 4) {
+    const int rem = n - t < 4 ? n - t : 4;
+    __m128 out[3];
+    scores4<T, 3>(qf, D, k + t * kstride, kstride, rem, spread, out);
+    for (int j = 0; j < 3; ++j) {
+      float* dst = s + j * ld + t;
+      if (rem == 4) {
+        _mm_storeu_ps(dst, out[j]);
+      } else {
+        alignas(16) float tmp[4];
+        _mm_store_ps(tmp, out[j]);
+        for (int u = 0; u < rem; ++u) dst[u] = tmp[u];
+      }
+    }
+  }
+}
 
 // s[q * ld + t] = q_q . k_t for nq query vectors (float, D apart) and n keys kstride apart;
-// `pf_lines` lines from `pf` are prefetched meanwhile (Spread).
+// `pf_lines` lines from `pf` are prefetched meanwhile (Spread). Three queries (decode's
+// group at SmolLM2's 9 / 3 heads) take scores4, each key loaded once for the three; other
+// counts take scores8 query by query (at prefill's groups of 4, scores4 two by two measured
+// 1.05-1.15x the time). Both give a key's score the same bits.
 template <typename T>
 inline void qk_avx2(const float* qf, int nq, int D, const T* k, int64_t kstride, int n, float* s,
                     int64_t ld, const void* pf, int64_t pf_lines) {
-  int groups = 0;
-  for (int q0 = 0; q0 < nq; q0 += query_group(nq - q0)) ++groups;
-  Spread spread(pf, pf_lines, static_cast<int64_t>((n + 3) / 4) * groups * (D / 8));
-  for (int q0 = 0; q0 < nq;) {
-    const int g = query_group(nq - q0);
-    const float* q = qf + q0 * D;
-    for (int t = 0; t < n; t += 4) {
-      const int rem = n - t < 4 ? n - t : 4;
-      const T* kt = k + t * kstride;
-      __m128 out[3];
-      if (g == 3)
-        scores4<T, 3>(q, D, kt, kstride, rem, spread, out);
-      else if (g == 2)
-        scores4<T, 2>(q, D, kt, kstride, rem, spread, out);
-      else
-        scores4<T, 1>(q, D, kt, kstride, rem, spread, out);
-      for (int j = 0; j < g; ++j) {
-        float* dst = s + (q0 + j) * ld + t;
-        if (rem == 4) {
-          _mm_storeu_ps(dst, out[j]);
-        } else {
-          alignas(16) float tmp[4];
-          _mm_store_ps(tmp, out[j]);
-          for (int u = 0; u < rem; ++u) dst[u] = tmp[u];
-        }
+  if (nq == 3) return qk3_avx2<T>(qf, D, k, kstride, n, s, ld, pf, pf_lines);
+  Spread spread(pf, pf_lines, static_cast<int64_t>((n + 7) / 8) * nq * (D / 8));
+  for (int t = 0; t < n; t += 8, k += 8 * kstride) {
+    const int rem = n - t < 8 ? n - t : 8;
+    for (int q = 0; q < nq; ++q) {
+      const __m256 sums = scores8(qf + q * D, D, k, kstride, rem, spread);
+      if (rem == 8) {
+        _mm256_storeu_ps(s + q * ld + t, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        for (int u = 0; u < rem; ++u) s[q * ld + t + u] = tmp[u];
       }
     }
-    q0 += g;
   }
 }
 
