@@ -9,8 +9,10 @@ amount of arithmetic per 64-byte line (`work`: 4 independent FMA chains, `work` 
 and three ways of prefetching into L2: none (the hardware prefetchers alone), `burst` (each
 tile two ahead issued at once when a tile starts, as decode attention did) and `spread` (the
 tile two ahead issued one line per line consumed, as `Spread` in
-kernels/csrc/paged_attention_avx2.h does). With no arithmetic it gives the pattern's read
-rate; with some, whether reads overlap the arithmetic (spread) or add to it (burst).
+kernels/csrc/paged_attention_avx2.h does); `spread_head_order` is `spread` with each tile's
+lines read as the kernels read them, one kv head's 256 bytes of every 768-byte row, head by
+head. With no arithmetic it gives the pattern's read rate; with some, whether reads overlap
+the arithmetic (spread) or add to it (burst).
 
 Run: ``.venv/bin/python benchmarks/kv_read_pattern.py`` (about a minute: it builds a small
 C++ probe with torch's extension loader, then allocates and fills a 2.9 GB pool).
@@ -56,7 +58,8 @@ void setup() {
   table.assign(ids.begin(), ids.begin() + kSeqs * kPerSeq);
 }
 
-// Seconds for the 30 layers' reads (best of `repeats`); mode 0 none, 1 burst, 2 spread.
+// Seconds for the 30 layers' reads (best of `repeats`); mode 0 none, 1 burst, 2 spread,
+// 3 spread with the lines read head by head.
 double run(int mode, int work, int repeats, int threads) {
   setup();
   omp_set_num_threads(threads);
@@ -77,8 +80,11 @@ double run(int mode, int work, int repeats, int threads) {
           const char* ahead = i + kAhead < 2 * kPerSeq ? tile(i + kAhead) : nullptr;
           if (ahead && mode == 1)
             for (long l = 0; l < kLines; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
-          for (long l = 0; l < kLines; ++l) {
-            if (ahead && mode == 2) _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
+          for (long i = 0; i < kLines; ++i) {
+            // Mode 3 reads the tile as the kernels do: one kv head's 4 lines of each of the 16
+            // rows (768 bytes apart), head by head; the others read it straight.
+            const long l = mode == 3 ? (i % 64) / 4 * 12 + i / 64 * 4 + i % 4 : i;
+            if (ahead && mode >= 2) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
             const __m256 a = _mm256_loadu_ps(reinterpret_cast<const float*>(p + l * 64));
             const __m256 b = _mm256_loadu_ps(reinterpret_cast<const float*>(p + l * 64 + 32));
             for (int w = 0; w < work; ++w) {
@@ -123,7 +129,7 @@ def main() -> None:
     rows = []
     for work in (int(w) for w in args.work.split(",")):
         row: dict[str, float | int] = {"work": work}
-        for mode, name in enumerate(("none", "burst", "spread")):
+        for mode, name in enumerate(("none", "burst", "spread", "spread_head_order")):
             seconds = abs(probe.run(mode, work, args.repeats, args.threads))
             row[f"{name}_ms"] = round(seconds * 1e3, 2)
             row[f"{name}_gb_per_s"] = round(gb / seconds, 1)
