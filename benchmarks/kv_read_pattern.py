@@ -38,6 +38,8 @@ SOURCE = r"""
 #include <vector>
 
 constexpr long kLayers = 30, kTile = 12288, kLines = kTile / 64, kBlocks = 4096;
+// A tile's rows (tokens) and kv heads: a row is kRowLines lines, a head's part of it kHeadLines.
+constexpr long kRows = 16, kHeads = 3, kRowLines = kLines / kRows, kHeadLines = kRowLines / kHeads;
 constexpr long kBlockBytes = kLayers * 2 * kTile;
 constexpr int kSeqs = 64, kPerSeq = 13, kAhead = 2;
 
@@ -81,9 +83,10 @@ double run(int mode, int work, int repeats, int threads) {
           if (ahead && mode == 1)
             for (long l = 0; l < kLines; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
           for (long i = 0; i < kLines; ++i) {
-            // Mode 3 reads the tile as the kernels do: one kv head's 4 lines of each of the 16
-            // rows (768 bytes apart), head by head; the others read it straight.
-            const long l = mode == 3 ? (i % 64) / 4 * 12 + i / 64 * 4 + i % 4 : i;
+            // Mode 3 reads the tile as the kernels do: one kv head's lines of every row, head by
+            // head; the others read it straight.
+            const long head = i / (kRows * kHeadLines), row = i / kHeadLines % kRows;
+            const long l = mode == 3 ? row * kRowLines + head * kHeadLines + i % kHeadLines : i;
             if (ahead && mode >= 2) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
             const __m256 a = _mm256_loadu_ps(reinterpret_cast<const float*>(p + l * 64));
             const __m256 b = _mm256_loadu_ps(reinterpret_cast<const float*>(p + l * 64 + 32));
