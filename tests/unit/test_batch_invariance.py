@@ -68,10 +68,11 @@ def test_dense_layer_is_batch_and_chunk_invariant_on_every_path(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
-def test_one_and_two_rows_match_a_larger_batch_at_every_block_count(dtype):
-    """1 and 2 rows run as tiles over several column blocks (AVX2: 4 and 3), each thread's
-    last 1-3 blocks as a narrower tile. Every count of 16-column blocks from 1 to 8, a
-    partial last block, one thread or two: each row keeps the bits it has in a 9-row batch."""
+def test_few_rows_match_a_larger_batch_at_every_block_count(dtype):
+    """1, 2 and 3 rows run as tiles over several column blocks (AVX2: 4, 3 and 2; 3 rows with
+    float32 weights only), each thread's last blocks as a narrower tile. Every count of
+    16-column blocks from 1 to 8, a partial last block, one thread or two: each row keeps the
+    bits it has in a 9-row batch."""
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(9)
     try:
@@ -84,7 +85,7 @@ def test_one_and_two_rows_match_a_larger_batch_at_every_block_count(dtype):
                 for t in (1, 2):
                     torch.set_num_threads(t)
                     batch = gemm.gemm(x, packed, n, bias, path)
-                    for m in (1, 2):
+                    for m in (1, 2, 3):
                         got = gemm.gemm(x[:m], packed, n, bias, path)
                         assert torch.equal(got, batch[:m]), (n, path, t, m)
     finally:
