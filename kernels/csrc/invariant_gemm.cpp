@@ -45,8 +45,8 @@ enum Isa : int64_t { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
 
 constexpr int kBlock = 16;     // output columns per packed block
 constexpr int kMChunk = 256;   // rows whose activations stay in L2 while the columns turn
-// Column blocks side by side in fma_few_rows_avx2's tiles, by its row count (1-3).
-constexpr int kFewRowsBlocks[4] = {0, 4, 3, 2};
+// Column blocks side by side in fma_few_rows_avx2's tiles, by its row count (1-4).
+constexpr int kFewRowsBlocks[5] = {0, 4, 3, 2, 2};
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
@@ -493,7 +493,7 @@ AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, in
   }
 }
 
-// Every row of a 1-, 2- or 3-row product over blocks [b0, b1), NB blocks to a tile: 8 or 12
+// Every row of a 1- to 4-row product over blocks [b0, b1), NB blocks to a tile: 8 to 16
 // accumulators, where one row over one block keeps only two FMA chains, so each k waited on
 // an FMA's latency. These tiles stream their weights once, several blocks side by side,
 // which the hardware prefetcher follows; a software prefetch of the next tile's weights
@@ -505,20 +505,22 @@ AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, in
 // more keep them, and so do bf16 weights at 2 rows (widened into even and odd halves, three
 // blocks' weights beside 12 accumulators spill: 1.1x their time). The arithmetic, k by k
 // into each element, is theirs: the same bits.
-// On Zen 3 (3.5 GHz, 256-bit FMA units) 3 float32 rows take 3 x 2-block tiles, each block's
-// stream prefetched into L1 16 lines ahead of its loads: there the one-block row tiles
-// streamed 13-16 GB/s at 3 rows where 1 and 2 rows stream 23-25 (a 3-row decode step took
-// longer than a 4-row one), and the 3 x 2 tiles alone took 0.86x their time. With the
-// prefetch, four alternating runs: 0.78-0.82x on 1 thread, 0.77-0.87x on 2 (8, 16 and 24
-// lines ahead measured alike; into L2 instead, 0.82 / 0.87x). At 1 and 2 rows the same
-// prefetch cost 1.03-1.07x: the hardware prefetcher keeps up with their lighter arithmetic.
+// On Zen 3 (3.5 GHz, 256-bit FMA units) 3 and 4 float32 rows take 2-block tiles, each
+// block's stream prefetched into L1 16 lines ahead of its loads: there the one-block row
+// tiles streamed 13-17 GB/s at 3 and 4 rows where 1 and 2 rows stream 23-25 (a 3-row decode
+// step took longer than a 4-row one), and the 3 x 2 tiles alone took 0.86x their time. With
+// the prefetch, alternating runs: 3 rows 0.78-0.82x on 1 thread, 0.77-0.87x on 2 (8, 16 and
+// 24 lines ahead measured alike; into L2 instead, 0.82 / 0.87x); 4 rows (16 accumulators,
+// the weights taken from L1 by each FMA) 0.85-0.89x on 1 thread, 0.83-0.88x on 2. At 1 and 2
+// rows the same prefetch cost 1.03-1.07x: the hardware prefetcher keeps up with their
+// lighter arithmetic.
 // fp16 weights at 3 rows keep the row tiles (1.33x their time here: their widening beside
-// 12 accumulators), as bf16 ones do.
+// 12 accumulators), as bf16 ones do, and so do 5 rows and more.
 template <typename T, typename W, int R>
 AVX2_TARGET void fma_few_rows_avx2(const Problem& pr, const float* x, const W* w,
                                    int64_t bstride, T* y, int64_t b0, int64_t b1) {
   constexpr int NB = kFewRowsBlocks[R];
-  constexpr int Lead = R == 3 ? 16 : 0;
+  constexpr int Lead = R >= 3 ? 16 : 0;
   int64_t b = b0;
   for (; b + NB <= b1; b += NB)
     fma_tile_avx2<T, W, R, NB, Lead>(pr, x, w, bstride, y, 0, b, Ahead{});
@@ -539,13 +541,14 @@ AVX2_TARGET void gemm_fma_avx2(const Problem& pr, const float* x, const W* w, T*
   const int64_t bstride = std::is_same_v<W, c10::BFloat16> ? ((pr.k + 31) / 32) * 32 * kBlock
                                                            : pr.k * kBlock;
   constexpr bool kBf16 = std::is_same_v<W, c10::BFloat16>, kF32 = std::is_same_v<W, float>;
-  if (pr.m == 1 || (pr.m == 2 && !kBf16) || (pr.m == 3 && kF32)) {
+  if (pr.m == 1 || (pr.m == 2 && !kBf16) || (pr.m <= 4 && kF32)) {
     const int64_t tile = kFewRowsBlocks[pr.m];
     for_stealing(pr.nblocks, run_length(pr.nblocks, tile), [&](int64_t b0, int64_t b1, bool) {
       switch (pr.m) {
         case 1: fma_few_rows_avx2<T, W, 1>(pr, x, w, bstride, y, b0, b1); break;
         case 2: fma_few_rows_avx2<T, W, 2>(pr, x, w, bstride, y, b0, b1); break;
-        default: fma_few_rows_avx2<T, W, 3>(pr, x, w, bstride, y, b0, b1); break;
+        case 3: fma_few_rows_avx2<T, W, 3>(pr, x, w, bstride, y, b0, b1); break;
+        default: fma_few_rows_avx2<T, W, 4>(pr, x, w, bstride, y, b0, b1); break;
       }
     });
     return;

@@ -69,8 +69,8 @@ def test_dense_layer_is_batch_and_chunk_invariant_on_every_path(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
 def test_few_rows_match_a_larger_batch_at_every_block_count(dtype):
-    """1, 2 and 3 rows run as tiles over several column blocks (AVX2: 4, 3 and 2; 3 rows with
-    float32 weights only), each thread's last blocks as a narrower tile. Every count of
+    """1 to 4 rows run as tiles over several column blocks (AVX2: 4, 3, 2 and 2; 3 and 4 rows
+    with float32 weights only), each thread's last blocks as a narrower tile. Every count of
     16-column blocks from 1 to 8, a partial last block, one thread or two: each row keeps the
     bits it has in a 9-row batch."""
     threads = torch.get_num_threads()
@@ -85,7 +85,7 @@ def test_few_rows_match_a_larger_batch_at_every_block_count(dtype):
                 for t in (1, 2):
                     torch.set_num_threads(t)
                     batch = gemm.gemm(x, packed, n, bias, path)
-                    for m in (1, 2, 3):
+                    for m in (1, 2, 3, 4):
                         got = gemm.gemm(x[:m], packed, n, bias, path)
                         assert torch.equal(got, batch[:m]), (n, path, t, m)
     finally:
