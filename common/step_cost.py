@@ -104,27 +104,6 @@ class StepCostModel:
             return None
         return float(self.coefficients @ np.array([1.0, decodes, prefill_tokens, attention]))
 
-    def decode_bound(self, decodes: int, attention: float, recent: int = 4) -> float | None:
-        """An upper bound on a decode-only step of `decodes` streams attending `attention`,
-        from the last `recent` decode-only steps measured, where the fit would extrapolate.
-        Every term of a step's cost is non-negative and grows with the streams or with the
-        attention, so a measured step scaled by the larger of their growths (at least 1)
-        bounds it; the largest of those bounds is kept, so one fast step cannot loosen it.
-        None until a decode-only step was measured."""
-        bounds: list[float] = []
-        for _, measured_decodes, prefill, measured_attention, seconds in reversed(self.samples):
-            if prefill or not measured_decodes:
-                continue
-            if measured_attention <= 0 < attention:
-                continue  # no attention measured to scale
-            growth = max(1.0, decodes / measured_decodes)
-            if attention > 0:
-                growth = max(growth, attention / measured_attention)
-            bounds.append(seconds * growth)
-            if len(bounds) == recent:
-                break
-        return max(bounds) if bounds else None
-
     def prefill_wait_s(
         self, prompts: list[tuple[int, int, int]], streams: list[tuple[int, int]],
         target_s: float, min_chunk: int, max_step_tokens: int,

@@ -1,15 +1,16 @@
-"""Decode-side back-pressure, step 6 of a request's path: a prefilled request is admitted only
-when blocks for its prompt and first token can be allocated (reusing this worker's cached
-prefix), the batch has a free slot (`max_num_seqs`, counting requests still pulling) and a
-decode step with it joined is predicted within the TPOT target (by the step costs this
-worker measured, or bounded by its last steps; `--tpot-target-ms`). Requests that do not fit
-wait in a bounded FIFO, retried before every engine step; past the bound (`--max-pending`),
-new ones are refused. With `--handoff-wait-ms` the worker also says when it is saturated: a
-new handoff would wait longer than that for its slot, at the rate the line's head has been
+"""Decode-side back-pressure, step 6 of a request's path: a prefilled request is admitted
+only when blocks for its prompt and first token can be allocated (reusing this worker's
+cached prefix), the batch has a free slot (`max_num_seqs`, counting requests still
+pulling) and a decode step with it joined is predicted within the TPOT target (by the
+step costs this worker measured; `--tpot-target-ms`). Requests that do not fit wait in a
+bounded FIFO, retried before every engine step; past the bound (`--max-pending`), new ones
+are refused. With `--handoff-wait-ms` the worker also says when it is saturated: a new
+handoff would wait longer than that for its slot, at the rate the line's head has been
 getting one since the line formed (one leaving stream can free blocks for several), or,
 until that is known, at the rate streams have been leaving the batch. Its status carries
 that to the coordinators, which then refuse new requests at arrival (before any prefill)
-instead of queueing every stream's second token behind a growing line. Engine thread only."""
+instead of queueing every stream's second token behind a growing line. Engine thread
+only."""
 
 from __future__ import annotations
 
@@ -144,14 +145,10 @@ class Admission:
         return num_cached
 
     def _within_tpot_target(self, request: Request) -> bool:
-        """Whether a decode step with `request` joined is predicted within the TPOT target,
-        by the fitted step costs or by the bound the last steps give (`decode_bound`). The
-        fit is a straight line through the batch sizes run so far, so one size it has not
-        reached is an extrapolation: a steep one (a slow step at the largest size) would hold
-        the batch there, and it would never measure one more. Always true for a batch of its
-        own, while the step costs are unmeasured, and where the target is out of reach (a step
-        of one stream alone misses it: then no batch size meets it, and the largest batch
-        serves the most)."""
+        """Whether a decode step with `request` joined is predicted within the TPOT target.
+        Always true for a batch of its own, while the step costs are unmeasured, and where
+        the target is out of reach (a step of one stream alone misses it: then no batch
+        size meets it, and the largest batch serves the most)."""
         scheduler = self.engine.scheduler
         target, model = scheduler.tpot_target_s, scheduler.step_cost
         batch = [*scheduler.running, *self._reserved]
@@ -162,10 +159,7 @@ class Admission:
             return True
         attention = sum(attention_pairs(r.num_tokens - 1, 1) for r in (*batch, request))
         seconds = model.predict(len(batch) + 1, 0, attention)
-        if seconds is None or seconds <= target:
-            return True
-        bound = model.decode_bound(len(batch) + 1, attention)
-        return bound is not None and bound <= target
+        return seconds is None or seconds <= target
 
 
 def _seconds_apart(events: deque[float], now: float) -> float | None:

@@ -76,26 +76,6 @@ def test_a_negative_weight_is_dropped_not_kept():
     assert model.coefficients[2] > 0
 
 
-def test_the_decode_bound_scales_the_last_steps_by_their_growth():
-    model = StepCostModel()
-    assert model.decode_bound(4, 1.0) is None  # nothing measured
-    model.record(0, 300, attention_pairs(0, 300), 0.200)  # a prefill step: not a decode bound
-    assert model.decode_bound(4, 1.0) is None
-    one = attention_pairs(200, 1)
-    for seconds in (0.030, 0.036, 0.030, 0.030):  # steps of 3 streams, one slow
-        model.record(3, 0, 3 * one, seconds)
-    # One more stream of the same context: 4/3 of the slowest of the last four.
-    assert model.decode_bound(4, 4 * one) == pytest.approx(0.036 * 4 / 3)
-    # A long context grows the attention more than the streams: that growth bounds it.
-    long = 3 * one + attention_pairs(2000, 1)
-    assert model.decode_bound(4, long) == pytest.approx(0.036 * long / (3 * one))
-    # A smaller batch is bounded by the step itself, not scaled below it.
-    assert model.decode_bound(2, 2 * one) == pytest.approx(0.036)
-    for _ in range(4):  # four newer steps push the slow one out of the last four
-        model.record(3, 0, 3 * one, 0.030)
-    assert model.decode_bound(4, 4 * one) == pytest.approx(0.040)
-
-
 @pytest.mark.parametrize("start", [0, 300, 3000])
 def test_a_chunk_is_the_most_tokens_within_the_target(start):
     model = fitted()
