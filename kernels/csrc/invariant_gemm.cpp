@@ -505,17 +505,18 @@ AVX2_TARGET void fma_rows_avx2(const Problem& pr, const float* x, const W* w, in
 // more keep them, and so do bf16 weights at 2 rows (widened into even and odd halves, three
 // blocks' weights beside 12 accumulators spill: 1.1x their time). The arithmetic, k by k
 // into each element, is theirs: the same bits.
-// On Zen 3 (3.5 GHz, 256-bit FMA units) 3 and 4 float32 rows take 2-block tiles, each
-// block's stream prefetched into L1 16 lines ahead of its loads: there the one-block row
-// tiles streamed 13-17 GB/s at 3 and 4 rows where 1 and 2 rows stream 23-25 (a 3-row decode
-// step took longer than a 4-row one), and the 3 x 2 tiles alone took 0.86x their time. With
-// the prefetch, alternating runs: 3 rows 0.78-0.82x on 1 thread, 0.77-0.87x on 2 (8, 16 and
-// 24 lines ahead measured alike; into L2 instead, 0.82 / 0.87x); 4 rows (16 accumulators,
-// the weights taken from L1 by each FMA) 0.85-0.89x on 1 thread, 0.83-0.88x on 2. At 1 and 2
-// rows the same prefetch cost 1.03-1.07x: the hardware prefetcher keeps up with their
-// lighter arithmetic.
+// On Zen 3 (256-bit FMA units) 3 and 4 float32 rows take 2-block tiles, each block's stream
+// prefetched into L1 16 lines ahead of its loads: there the one-block row tiles streamed
+// 13-17 GB/s at 3 and 4 rows where 1 and 2 rows stream 23-25 (a 3-row decode step took
+// longer than a 4-row one), and the 3 x 2 tiles alone took 0.86x their time. With the
+// prefetch, alternating runs: 3 rows 0.78-0.82x on 1 thread, 0.77-0.87x on 2 (8, 16 and 24
+// lines ahead measured alike; into L2 instead, 0.82 / 0.87x); 4 rows (16 accumulators)
+// 0.85-0.89x on 1 thread, 0.83-0.88x on 2. At 1 and 2 rows the same prefetch cost
+// 1.03-1.07x: the hardware prefetcher keeps up with their lighter arithmetic.
 // fp16 weights at 3 rows keep the row tiles (1.33x their time here: their widening beside
-// 12 accumulators), as bf16 ones do, and so do 5 rows and more.
+// 12 accumulators), as bf16 ones do, and so do 5 rows and more (tried: 2-block tiles of up
+// to 4 rows, 1.04-1.07x the time at 5-8 rows and 1.5-2x at 12-16; the lead prefetch in a
+// block's first 5- or 6-row tile, 1.00-1.25x).
 template <typename T, typename W, int R>
 AVX2_TARGET void fma_few_rows_avx2(const Problem& pr, const float* x, const W* w,
                                    int64_t bstride, T* y, int64_t b0, int64_t b1) {
