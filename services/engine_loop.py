@@ -24,6 +24,7 @@ from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.request import Request, Resume
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.services.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,7 +36,13 @@ IDLE_WAIT_S = 0.05  # how often an idle engine thread runs its housekeeping hook
 class EngineLoop:
     stop_join_s = 10.0  # how long `stop` waits for the engine thread to end
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        thread: EngineThread | None = None,
+    ) -> None:
+        """`thread`: the one that loaded `engine` (see `EngineThread`); None: a new one."""
         self.engine = engine
         self._loop = loop
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
@@ -44,7 +51,7 @@ class EngineLoop:
         # Run in the engine thread before every step (lease expiry, admissions, ...).
         self.housekeeping: list[Callable[[], None]] = []
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = thread
         self.steps = 0
         # Requests that may wait for the batch at once (0: no limit); more are refused.
         self.max_pending = 0
@@ -53,13 +60,16 @@ class EngineLoop:
         self._adding = 0  # submitted to the engine thread, not yet in its waiting queue
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = self._thread or EngineThread()
+        self._thread.submit(self._run).add_done_callback(_log_failure)
+        self._thread.close()  # the thread ends with the loop
 
     def stop(self) -> None:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        self._thread.join(timeout=self.stop_join_s)
+        if self._thread is not None:
+            self._thread.join(timeout=self.stop_join_s)
 
     # ---- called from the event loop ----------------------------------------------------
 
@@ -224,6 +234,11 @@ class EngineLoop:
         """From the engine thread: deliver outputs made outside a step."""
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+
+def _log_failure(done: Future[Any]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.error("the engine loop ended", exc_info=done.exception())
 
 
 def aborted_output(request: Request) -> RequestOutput:

@@ -23,6 +23,7 @@ from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.convert import RETRY_AFTER_KEY
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
+from pdserve.services.engine_thread import EngineThread
 from pdserve.services.grpc_server import ServiceProcess, message_limit, worker_message_limit
 from pdserve.services.lockstep_loop import LockstepEngineLoop
 from pdserve.services.metrics import WorkerMetrics
@@ -78,7 +79,10 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     tls = TlsFiles.from_args(args)  # raises ValueError naming a missing or unreadable file
     use_internal_tls(tls)
     setup_tracing(f"pdserve-{role}")
-    engine = load_engine(args)
+    # Loaded, stepped (and, on a tensor-parallel follower, run) in one thread: see
+    # `EngineThread` for why every parallel kernel must start from the same thread.
+    engine_thread = EngineThread()
+    engine = await asyncio.wrap_future(engine_thread.submit(lambda: load_engine(args)))
     runner = engine.runner
     transport = None
     tp_addresses: list[bytes] = []
@@ -95,7 +99,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         if transport is not None:
             on_command = FollowerKv(runner.tp.rank, transport, runner.kv_cache,
                                     args.transfer_timeout)  # fmt: skip
-        runner.follow(on_command)
+        await asyncio.wrap_future(engine_thread.submit(lambda: runner.follow(on_command)))
         if transport is not None:
             transport.close()
         return 0
@@ -126,7 +130,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         ranks = gather_ranks(worker_id, address, process.metrics_port)
         worker_id = ranks[rank]["worker_id"]
     loop_type = EngineLoop if group is None else LockstepEngineLoop
-    loop = loop_type(engine, asyncio.get_running_loop())
+    loop = loop_type(engine, asyncio.get_running_loop(), engine_thread)
     loop.max_pending = args.max_pending
     if args.ttft_target_ms < 0:
         raise ValueError(f"ttft_target_ms: must be >= 0, got {args.ttft_target_ms}")
