@@ -1,5 +1,5 @@
-"""The engine inside a service: `LLMEngine` stepping in its own thread, talking to the
-gRPC event loop.
+"""The engine inside a service: `LLMEngine` stepping in its own thread (the one that loaded
+it, `EngineThread`), talking to the gRPC event loop.
 
 The engine thread is the only one that touches the scheduler, the KV manager and the
 model; everything else reaches them through `call` (run a function between two steps and
