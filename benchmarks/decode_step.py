@@ -110,7 +110,7 @@ def matmul_gflops(dtype: torch.dtype, pairs: int = 3) -> dict[str, float]:
         "mm_2048": round(statistics.median(mms), 1),
         "linears_512_rows": round(statistics.median(linears), 1),
         "linears_over_mm": round(
-            statistics.median(b / a for a, b in zip(mms, linears, strict=True)), 3
+            statistics.median(lin / mm for mm, lin in zip(mms, linears, strict=True)), 3
         ),
     }
 

@@ -24,7 +24,7 @@ from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.request import Request, Resume
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.engine_thread import EngineThread
+from pdserve.services.engine_thread import EngineThread, run_call
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -205,11 +205,7 @@ class EngineLoop:
     def _run_calls(self, calls: list[tuple[Callable[[], Any], Future[Any]]]) -> None:
         """The calls queued since the last step, then the housekeeping hooks."""
         for fn, future in calls:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # handed to the caller
-                    future.set_exception(e)
+            run_call(fn, future)
         for hook in self.housekeeping:
             try:
                 hook()

@@ -49,9 +49,13 @@ class EngineThread:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # handed to the submitter
-                    future.set_exception(e)
+            run_call(*job)
+
+
+def run_call(fn: Callable[[], T], future: Future[T]) -> None:
+    """`fn()` into `future` (its exception too), unless the future was cancelled."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to the submitter
+            future.set_exception(e)
