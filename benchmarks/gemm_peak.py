@@ -61,7 +61,10 @@ def fma_library(folder: Path) -> ctypes.CDLL:
     source.write_text(f"#define CHAINS {CHAINS}\n{FMA_LOOP}")
     # -ffp-contract=fast: a * b + c is one FMA; -funroll-loops keeps the chains in registers.
     flags = ["-O3", "-funroll-loops", "-ffp-contract=fast", "-shared", "-fPIC"]
-    subprocess.run(["cc", *flags, str(source), "-o", str(library)], check=True)
+    try:
+        subprocess.run(["cc", *flags, str(source), "-o", str(library)], check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"gemm_peak: the FMA loop needs an x86-64 C compiler, `cc`: {e}") from e
     lib = ctypes.CDLL(str(library))
     for name in ("fma_loop_256", "fma_loop_512"):
         getattr(lib, name).argtypes = [ctypes.c_long]
