@@ -26,15 +26,16 @@ import os
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from decode_step import SHAPES, time_linears
 from machine import cpu_name
+from offline import best_seconds
 
 from pdserve.kernels import invariant_gemm
+from pdserve.kernels.cpp_build import cpu_flags
 
 CHAINS = 12
 FMA_LOOP = r"""
@@ -72,46 +73,28 @@ def fma_library(folder: Path) -> ctypes.CDLL:
     return lib
 
 
-def has_avx512f() -> bool:
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+def fma_peak_gflops(
+    lib: ctypes.CDLL, threads: int, lanes: int, iterations: int = 50_000_000
+) -> float:
+    """float32 GFLOP/s of the `lanes`-wide FMA loop on `threads` threads at once (ctypes drops
+    the GIL during each call), best of 3."""
+    loop = lib.fma_loop_512 if lanes == 16 else lib.fma_loop_256
 
-
-def fma_peak_gflops(lib: ctypes.CDLL, threads: int, iterations: int = 50_000_000) -> float:
-    """float32 GFLOP/s of the FMA loop on `threads` threads at once (ctypes drops the GIL
-    during each call), best of 3."""
-    wide = has_avx512f()
-    loop, lanes = (lib.fma_loop_512, 16) if wide else (lib.fma_loop_256, 8)
-    loop(iterations // 100)  # the clock ramps up
-    best = float("inf")
-    for _ in range(3):
+    def on_every_thread() -> None:
         workers = [threading.Thread(target=loop, args=(iterations,)) for _ in range(threads)]
-        start = time.perf_counter()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
-        best = min(best, time.perf_counter() - start)
-    return threads * iterations * CHAINS * lanes * 2 / best / 1e9
+
+    return threads * iterations * CHAINS * lanes * 2 / best_seconds(on_every_thread, 3) / 1e9
 
 
-def mm_gflops(repeat: int = 5) -> float:
-    a = torch.randn(2048, 2048)
-    a @ a
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best / 1e9
-
-
-def measure(lib: ctypes.CDLL, threads: int, rows: list[int]) -> dict[str, Any]:
+def measure(lib: ctypes.CDLL, threads: int, lanes: int, rows: list[int]) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    peak = fma_peak_gflops(lib, threads)
-    mm = mm_gflops()
+    peak = fma_peak_gflops(lib, threads, lanes)
+    a = torch.randn(2048, 2048)
+    mm = 2 * 2048**3 / best_seconds(lambda: a @ a, 5) / 1e9
     flop_per_row = 2 * 30 * sum(n * k for n, k in SHAPES)
     linears = {}
     for r in rows:
@@ -136,16 +119,17 @@ def main() -> int:
     args = p.parse_args()
     os.environ[invariant_gemm.INVARIANT_ENV] = "1"
     rows = [int(r) for r in args.rows.split(",")]
+    lanes = 16 if "avx512f" in cpu_flags() else 8
     with tempfile.TemporaryDirectory() as folder:
         lib = fma_library(Path(folder))
-        by_threads = {str(t): measure(lib, t, rows) for t in sorted({1, args.threads})}
+        by_threads = {str(t): measure(lib, t, lanes, rows) for t in sorted({1, args.threads})}
     print(
         json.dumps(
             {
                 "benchmark": "gemm_peak",
                 "processor": cpu_name(),
                 "host": invariant_gemm.describe(),
-                "fma_width_bits": 512 if has_avx512f() else 256,
+                "fma_width_bits": 32 * lanes,
                 "by_threads": by_threads,
             },
             indent=1,
