@@ -80,7 +80,8 @@ def row(target: str, figure: float | None, bar: float, at_most: bool) -> dict[st
 def score_decode(report: dict | None) -> list[dict]:
     """The invariant path's steps over the floors probed beside each step where the report
     has them (`floors_beside_each_step`), else over the whole run's (`floors`, also given as
-    `whole_run_figure`)."""
+    `whole_run_figure`); `dense_floor_figure` is the figure against the dense FLOPs alone
+    (the compute floor without attention's, as scored before 2026-12-08)."""
     whole = (report or {}).get("floors", {}).get("invariant", {})
     beside = (report or {}).get("floors_beside_each_step") or whole
     rows = []
@@ -92,6 +93,7 @@ def score_decode(report: dict | None) -> list[dict]:
             at_most=True,
         )
         r["whole_run_figure"] = whole.get(b, {}).get("step_over_floor")
+        r["dense_floor_figure"] = beside.get(b, {}).get("step_over_dense_floor")
         rows.append(r)
     return rows
 

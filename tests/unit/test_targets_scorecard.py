@@ -61,13 +61,51 @@ def test_decode_steps_are_judged_by_the_floors_probed_beside_them_where_measured
         "floors": {"invariant": {"1": {"step_over_floor": 1.6}, "16": {"step_over_floor": 1.4}}},
         "floors_beside_each_step": {
             "1": {"step_over_floor": 1.3},
-            "16": {"step_over_floor": 1.7},
+            "16": {"step_over_floor": 1.7, "step_over_dense_floor": 1.8},
         },
     }
     rows = by_name(targets.score_decode(report))
     one, sixteen = rows["decode_step_over_floor@batch1"], rows["decode_step_over_floor@batch16"]
     assert (one["figure"], one["met"], one["whole_run_figure"]) == (1.3, True, 1.6)
     assert (sixteen["figure"], sixteen["met"], sixteen["whole_run_figure"]) == (1.7, False, 1.4)
+    assert (one["dense_floor_figure"], sixteen["dense_floor_figure"]) == (None, 1.8)
+
+
+def test_the_compute_floor_counts_the_attention_flops_beside_the_dense_ones(tmp_path):
+    import json
+
+    import decode_step
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = decode_step.model_shape(str(tmp_path))
+    # Per context token and layer: QK and PV, 2 FLOPs per multiply-add over the 4 x 16 query
+    # elements each; K and V of 2 x 16 elements each.
+    assert shape["attention_flops_per_context_token"] == 2 * 4 * 64
+    assert shape["kv_elements_per_token"] == 2 * 2 * 32
+    dense = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 100 * 64
+    assert shape["dense_weights"] == dense
+
+    # At 0.6 GB/s and 1 GFLOP/s: batch 4 at 50 tokens of context, 4-byte elements.
+    f = decode_step.step_floors(4, shape, 50, 4, 0.6, 1.0)
+    attention = 4 * 50 * 512
+    assert f["dense_compute_floor_ms"] == pytest.approx(2 * 4 * dense / 1e6)
+    assert f["compute_floor_ms"] == pytest.approx((2 * 4 * dense + attention) / 1e6)
+    assert f["memory_floor_ms"] == pytest.approx((dense * 4 + 4 * 50 * 128 * 4) / 0.6 / 1e6)
+    # The step is judged against the larger floor: here the memory floor lies between the
+    # dense FLOPs' and all the FLOPs', so the two ratios use different floors.
+    assert f["dense_compute_floor_ms"] < f["memory_floor_ms"] < f["compute_floor_ms"]
+    ratio, dense_ratio = decode_step.over_floors(1.0, f)
+    assert ratio == pytest.approx(1.0 / f["compute_floor_ms"])
+    assert dense_ratio == pytest.approx(1.0 / f["memory_floor_ms"])
 
 
 def test_offline_fraction_is_at_least_its_bar():
