@@ -81,7 +81,7 @@ def score_decode(report: dict | None) -> list[dict]:
     """The invariant path's steps over the floors probed beside each step where the report
     has them (`floors_beside_each_step`), else over the whole run's (`floors`, also given as
     `whole_run_figure`); `dense_floor_figure` is the figure against the dense FLOPs alone
-    (the compute floor without attention's, as scored before 2026-12-08)."""
+    (the compute floor without attention's, as scored up to targets-avx2-zen3-2026-12-07)."""
     whole = (report or {}).get("floors", {}).get("invariant", {})
     beside = (report or {}).get("floors_beside_each_step") or whole
     rows = []
