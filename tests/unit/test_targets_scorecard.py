@@ -6,6 +6,7 @@ comparison takes pdserve at the tight pair against vLLM at the loose one."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -72,9 +73,7 @@ def test_decode_steps_are_judged_by_the_floors_probed_beside_them_where_measured
 
 
 def test_the_compute_floor_counts_the_attention_flops_beside_the_dense_ones(tmp_path):
-    import json
-
-    import decode_step
+    import decode_step  # torch and the kernels: only this test needs them
 
     config = {
         "model_type": "llama",
@@ -87,10 +86,10 @@ def test_the_compute_floor_counts_the_attention_flops_beside_the_dense_ones(tmp_
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = decode_step.model_shape(str(tmp_path))
-    # Per context token and layer: QK and PV, 2 FLOPs per multiply-add over the 4 x 16 query
-    # elements each; K and V of 2 x 16 elements each.
-    assert shape["attention_flops_per_context_token"] == 2 * 4 * 64
-    assert shape["kv_elements_per_token"] == 2 * 2 * 32
+    # Per context token, over 2 layers: QK and PV, one multiply-add (2 FLOPs) each per query
+    # element (4 heads x 16), so 4 FLOPs per element; K and V, 2 heads x 16 elements each.
+    assert shape["attention_flops_per_context_token"] == 2 * 4 * (4 * 16)
+    assert shape["kv_elements_per_token"] == 2 * 2 * (2 * 16)
     dense = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 100 * 64
     assert shape["dense_weights"] == dense
 
