@@ -30,8 +30,29 @@ def cpu_arch() -> str:
     return os.environ.get(ARCH_ENV) or "native"
 
 
-def cflags() -> list[str]:
-    return ["-O3", f"-march={cpu_arch()}", "-fopenmp", "-DNDEBUG"]
+def cflags(arch: str | None = None) -> list[str]:
+    return ["-O3", f"-march={arch or cpu_arch()}", "-fopenmp", "-DNDEBUG"]
+
+
+def compile_command(
+    name: str, source: Path, out: Path, arch: str, extra_cflags: Sequence[str] = ()
+) -> list[str]:
+    """The compiler line that turns `source` (of extension `name`) into the object file `out`
+    for `-march=arch`, with the flags torch's builder gets from `load_extension`. Nothing is
+    linked or loaded, so it checks that a kernel compiles for a CPU class this host cannot
+    run (tests/integration/test_isa_classes.py)."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_path("include", "posix_prefix")]
+    return [
+        os.environ.get("CXX", "c++"),
+        f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *(arg for path in includes for arg in ("-isystem", path)),
+        "-fPIC", "-std=c++20", *cflags(arch), *extra_cflags,
+        "-c", str(source), "-o", str(out),
+    ]  # fmt: skip
 
 
 def cpuinfo_line(key: str) -> str:

@@ -11,11 +11,20 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from pdserve.kernels import invariant_gemm
+from pdserve.kernels import (
+    cpp_build,
+    cpu_extension,
+    dense_layers,
+    fused_ops,
+    invariant_gemm,
+    shm_collective,
+    skinny_linear,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # cap -> (the bf16 GEMM path it must give, the -march the kernels are built for). The
@@ -79,3 +88,50 @@ def test_contract_holds_under_isa_cap(cap):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+# The classes above AVX2 that a host below them cannot run, and the -march that compiles every
+# one of their code paths: AVX-512 without BF16 (the `#else` branches), then AVX512-BF16, AMX
+# and AVX512-FP16 together.
+COMPILE_ONLY = {"AVX512_CORE": "skylake-avx512", "AVX512_CORE_AMX": "sapphirerapids"}
+
+
+def _extensions() -> list[tuple[str, list[Path], list[str]]]:
+    """(name, sources, extra cflags) of every C++ kernel extension, from its module."""
+    found = []
+    for mod in (cpu_extension, dense_layers, fused_ops, invariant_gemm, shm_collective,
+                skinny_linear):  # fmt: skip
+        sources = list(getattr(mod, "SOURCES", None) or [mod.SOURCE])
+        found.append((mod.EXTENSION_NAME, sources, list(getattr(mod, "CFLAGS", []))))
+    return found
+
+
+@pytest.mark.parametrize("cap", list(COMPILE_ONLY))
+def test_every_kernel_compiles_for_a_class_this_host_cannot_run(cap, tmp_path):
+    """A host below `cap` never builds the kernels' AVX-512, AVX512-BF16 or AMX code, so a
+    change made there could break only the hosts that run it. Each source is compiled (not
+    linked, not loaded) for the class's -march with the flags of the real build."""
+    if invariant_gemm.PATHS.index(CLASSES[cap][0]) <= _host_rank():
+        pytest.skip(f"this host builds and runs {cap}'s kernels natively")
+    extensions = _extensions()
+    compiled = {src.resolve() for _, sources, _ in extensions for src in sources}
+    on_disk = {src.resolve() for src in (ROOT / "kernels" / "csrc").glob("*.cpp")}
+    assert compiled == on_disk, "a kernel source no extension module names"
+    jobs = [
+        cpp_build.compile_command(name, src, tmp_path / f"{src.stem}.o", COMPILE_ONLY[cap], extra)
+        for name, sources, extra in extensions
+        for src in sources
+    ]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(
+            pool.map(
+                lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=1200), jobs
+            )
+        )
+    failed = [
+        (cmd[-3], run.stderr[-3000:])
+        for cmd, run in zip(jobs, results, strict=True)
+        if run.returncode
+    ]
+    assert not failed, failed
+    assert all((tmp_path / f"{Path(cmd[-3]).stem}.o").stat().st_size > 0 for cmd in jobs)
