@@ -117,21 +117,19 @@ def test_every_kernel_compiles_for_a_class_this_host_cannot_run(cap, tmp_path):
     compiled = {src.resolve() for _, sources, _ in extensions for src in sources}
     on_disk = {src.resolve() for src in (ROOT / "kernels" / "csrc").glob("*.cpp")}
     assert compiled == on_disk, "a kernel source no extension module names"
+    objects = {src: tmp_path / f"{src.stem}.o" for _, sources, _ in extensions for src in sources}
     jobs = [
-        cpp_build.compile_command(name, src, tmp_path / f"{src.stem}.o", COMPILE_ONLY[cap], extra)
+        (src, cpp_build.compile_command(name, src, objects[src], COMPILE_ONLY[cap], extra))
         for name, sources, extra in extensions
         for src in sources
     ]
+
+    def compile_one(job: tuple[Path, list[str]]) -> tuple[Path, subprocess.CompletedProcess]:
+        src, cmd = job
+        return src, subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = list(
-            pool.map(
-                lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=1200), jobs
-            )
-        )
-    failed = [
-        (cmd[-3], run.stderr[-3000:])
-        for cmd, run in zip(jobs, results, strict=True)
-        if run.returncode
-    ]
+        results = list(pool.map(compile_one, jobs))
+    failed = [(src.name, run.stderr[-3000:]) for src, run in results if run.returncode]
     assert not failed, failed
-    assert all((tmp_path / f"{Path(cmd[-3]).stem}.o").stat().st_size > 0 for cmd in jobs)
+    assert all(path.stat().st_size > 0 for path in objects.values())
