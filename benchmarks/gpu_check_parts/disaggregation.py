@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_check_parts.common import (
     Context,
@@ -164,13 +165,11 @@ def transfer(ctx: Context) -> dict[str, Any]:
 
 
 def _metric(url: str, name: str) -> float:
+    """The sum of the samples named `name` on a service's /metrics."""
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
+    families = text_string_to_metric_families(text)
+    return sum((s.value for f in families for s in f.samples if s.name == name), 0.0)
 
 
 def served(ctx: Context) -> dict[str, Any]:

@@ -12,13 +12,16 @@
   endpoints in one pod: rank r listens on the port named `<port-name>-ep<r>` (rank 0 on
   `<port-name>`), and each (pod, rank) is an address of its own; the coordinator learns the
   group from the ranks' status streams. A role's set is the union over its slices; a pod
-  listed in two slices (dual-stack, or while the controller moves it) counts once. The
-  selector is also applied here, so a server that ignores it cannot add foreign workers. A
-  watch that breaks resumes from the last resourceVersion with backoff; 410 Gone relists.
+  listed in two slices (dual-stack, or while the controller moves it) counts once. The API
+  server applies the selector (`label_selector`); it is parsed here too, so that a bad one
+  names its flag before any cluster is asked and a server that ignores it cannot add
+  foreign workers. A watch that breaks resumes from the last resourceVersion with backoff
+  (`common/retry.py`); 410 Gone relists.
 
 The Kubernetes API sits behind `SliceSource` (list + watch of raw EndpointSlice dicts):
-`KubernetesSliceSource` is the official `kubernetes` client, run in daemon threads so the
-event loop never blocks on it; tests script their own source."""
+`KubernetesSliceSource` is the official `kubernetes` client (its list call and
+`watch.Watch().stream`), run in daemon threads so the event loop never blocks on it; tests
+script their own source."""
 
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ import ipaddress
 import json
 import logging
 import os
-import random
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from pdserve.common.retry import Backoff
 from pdserve.services.engine_args import env
 
 OnChange = Callable[[str, frozenset[str]], None]  # (role, the full current set of "host:port")
@@ -46,6 +49,7 @@ SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespac
 log = logging.getLogger("pdserve.discovery")
 T = TypeVar("T")
 QUICK_WATCH_END_S = 1.0  # a watch the server ends this soon, with no event, counts as failed
+RETRY_S = (0.5, 30.0)  # a failed list or watch is retried after 0.5 s, doubling up to 30 s
 
 
 class Discovery(ABC):
@@ -245,8 +249,9 @@ class SliceSource(Protocol):
         ...
 
     def watch(self, selector: str, resource_version: str) -> AsyncGenerator[dict[str, Any], None]:
-        """Watch events ({"type", "object"}) after `resource_version`, until the stream ends;
-        raises ResourceGone or any error on failure."""
+        """Watch events ({"type", "object"}: ADDED, MODIFIED, DELETED, BOOKMARK) after
+        `resource_version`, until the stream ends; raises ResourceGone or any error on
+        failure."""
         ...
 
 
@@ -256,13 +261,14 @@ class KubernetesDiscovery(Discovery):
         selectors: Mapping[str, LabelSelector],
         source: SliceSource,
         port_name: str = "grpc",
-        retry_initial_s: float = 0.5,
-        retry_max_s: float = 30.0,
+        backoff: Callable[[], Backoff] | None = None,
     ) -> None:
+        """`backoff` makes each role's waits between failed tries (default: `RETRY_S`,
+        jittered)."""
         self._selectors = dict(selectors)
         self._source = source
         self._port_name = port_name
-        self._retry = (retry_initial_s, retry_max_s)
+        self._backoff = backoff or (lambda: Backoff(*RETRY_S, jitter=0.5))
 
     @property
     def roles(self) -> frozenset[str]:
@@ -280,7 +286,7 @@ class KubernetesDiscovery(Discovery):
         slices: SliceMap = {}
         reported: frozenset[str] | None = None
         version: str | None = None
-        failures = 0  # in a row; sets the backoff
+        backoff = self._backoff()  # failures in a row set the wait; an event resets it
         loop = asyncio.get_running_loop()
 
         def report() -> None:
@@ -307,21 +313,22 @@ class KubernetesDiscovery(Discovery):
                     async for event in watch:
                         version = self._apply_event(slices, selector, event) or version
                         report()
-                        events, failures = events + 1, 0
+                        events += 1
+                        backoff.reset()
                 # The server ended the watch (its timeout): resume at once, unless it ends
                 # watches as soon as they start, which must not make us spin.
-                quick = not events and loop.time() - started < QUICK_WATCH_END_S
-                failures = failures + 1 if quick else 0
+                if events or loop.time() - started >= QUICK_WATCH_END_S:
+                    backoff.reset()
+                    continue
             except _CallbackFailed as exc:
                 raise exc.__cause__ from None  # type: ignore[misc]
             except ResourceGone:
                 log.info("%s: resourceVersion %s is gone; listing again", role, version)
                 version = None
-                failures += 1
-                if failures == 1:
-                    continue  # relist at once the first time
+                if not backoff.failures:
+                    backoff.next_delay()  # counted, but the first relist goes at once
+                    continue
             except Exception as exc:  # any API or network failure: retry
-                failures += 1
                 log.warning(
                     "%s: EndpointSlice %s failed (%s: %s); retrying",
                     role,
@@ -329,20 +336,11 @@ class KubernetesDiscovery(Discovery):
                     type(exc).__name__,
                     exc,
                 )
-            if failures:
-                await asyncio.sleep(self._backoff(failures))
-
-    def _backoff(self, failures: int) -> float:
-        initial, most = self._retry
-        return min(most, initial * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+            await backoff.wait()
 
     def _apply_event(self, slices: SliceMap, selector: LabelSelector, event: dict) -> str | None:
         """Applies one watch event; returns its resourceVersion."""
         kind, obj = event.get("type"), event.get("object") or {}
-        if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise ResourceGone(obj.get("message", ""))
-            raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
         if kind in ("ADDED", "MODIFIED", "DELETED"):
             self._apply(slices, selector, kind, obj)
         return (obj.get("metadata") or {}).get("resourceVersion")
@@ -359,8 +357,11 @@ class KubernetesDiscovery(Discovery):
 
 
 class KubernetesSliceSource:
-    """`SliceSource` over the official `kubernetes` client. Its blocking calls run in daemon
-    threads; leaving a watch shuts its connection down, which ends the thread's read."""
+    """`SliceSource` over the official `kubernetes` client: `list_namespaced_endpoint_slice`
+    and `watch.Watch().stream` of it, the selector applied by the API server
+    (`label_selector`). The client blocks, so each call runs in a daemon thread; leaving a
+    watch stops it, which shuts its connection down and so ends the thread's read (a watch
+    left while still connecting ends at the server's timeout or the read timeout)."""
 
     def __init__(
         self,
@@ -378,102 +379,86 @@ class KubernetesSliceSource:
         self._read_timeout_s = read_timeout_s or watch_timeout_s + 30.0
 
     async def list(self, selector: str) -> tuple[list[dict[str, Any]], str]:
-        def call() -> dict[str, Any]:
-            resp = self._call(label_selector=selector, _request_timeout=(10, 60))
-            return json.loads(resp.data)
+        def call() -> Iterator[dict[str, Any]]:
+            with _gone_raised():
+                resp = self._api.list_namespaced_endpoint_slice(
+                    self.namespace,
+                    label_selector=selector,
+                    _preload_content=False,
+                    _request_timeout=(10, 60),
+                )
+            yield json.loads(resp.data)
 
-        body = await _in_thread(call)
+        async with contextlib.aclosing(_in_thread(call)) as bodies:
+            body = await anext(bodies)
         return body.get("items") or [], (body.get("metadata") or {}).get("resourceVersion", "")
 
-    async def watch(
-        self, selector: str, resource_version: str
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        stop = threading.Event()
-        responses: list[Any] = []
+    def watch(self, selector: str, resource_version: str) -> AsyncGenerator[dict[str, Any], None]:
+        from kubernetes.watch import Watch
 
-        def pump() -> None:
-            try:
-                resp = self._call(
+        stream = Watch()
+
+        def events() -> Iterator[dict[str, Any]]:
+            with _gone_raised():  # a 410 answer to the call, or an ERROR event in the stream
+                for event in stream.stream(
+                    self._api.list_namespaced_endpoint_slice,
+                    self.namespace,
                     label_selector=selector,
                     resource_version=resource_version,
-                    watch=True,
                     allow_watch_bookmarks=True,
+                    # One request, ended by the server; discovery resumes it (and relists).
                     timeout_seconds=self._watch_timeout_s,
                     _request_timeout=(10, self._read_timeout_s),
-                )
-                responses.append(resp)
-                if stop.is_set():
-                    _shutdown(resp)
-                for line in _lines(resp.stream(65536)):
-                    _deliver(loop, queue.put_nowait, ("event", json.loads(line)))
-                _deliver(loop, queue.put_nowait, ("end", None))
-            except Exception as exc:  # handed to the event loop
-                if not stop.is_set():
-                    _deliver(loop, queue.put_nowait, ("error", exc))
+                ):  # (deserialize=False would skip the models, but fails on ERROR events)
+                    if event:  # None: a blank or garbled line
+                        yield {"type": event["type"], "object": event["raw_object"]}
 
-        threading.Thread(target=pump, name=f"k8s-watch {selector}", daemon=True).start()
-        try:
-            while True:
-                kind, item = await queue.get()
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            for resp in responses:
-                _shutdown(resp)
-
-    def _call(self, **kwargs: Any) -> Any:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            return self._api.list_namespaced_endpoint_slice(
-                self.namespace, _preload_content=False, **kwargs
-            )
-        except ApiException as exc:
-            if exc.status == 410:
-                raise ResourceGone(str(exc.reason)) from exc
-            raise
+        return _in_thread(events, stop=stream.stop)
 
 
-def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    pending = b""
-    for chunk in chunks:
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        yield from (line for line in complete if line.strip())
-    if pending.strip():
-        yield pending
+@contextlib.contextmanager
+def _gone_raised() -> Iterator[None]:
+    """The client's 410 Gone, raised as ResourceGone."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        yield
+    except ApiException as exc:
+        if exc.status == 410:
+            raise ResourceGone(str(exc.reason)) from exc
+        raise
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> None:
-    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-        loop.call_soon_threadsafe(callback, *args)
-
-
-async def _in_thread(fn: Callable[[], T]) -> T:
-    """`fn()` in a daemon thread (unlike asyncio.to_thread, never waited for at exit)."""
+async def _in_thread(
+    produce: Callable[[], Iterator[T]], stop: Callable[[], None] = lambda: None
+) -> AsyncGenerator[T, None]:
+    """What `produce()` yields, read in a daemon thread (unlike asyncio.to_thread's, never
+    waited for at exit: a read blocked on the network must not hold the process); `stop`
+    is called on leaving, to end that read early."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-    def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
+    def put(kind: str, item: Any = None) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, item))
 
-    def work() -> None:
+    def pump() -> None:
         try:
-            value: Any = fn()
+            for item in produce():
+                put("item", item)
         except Exception as exc:  # handed to the event loop
-            _deliver(loop, settle, False, exc)
+            put("error", exc)
         else:
-            _deliver(loop, settle, True, value)
+            put("end")
 
-    threading.Thread(target=work, name="k8s-call", daemon=True).start()
-    return await future
+    threading.Thread(target=pump, name="k8s-call", daemon=True).start()
+    try:
+        while (got := await queue.get())[0] == "item":
+            yield got[1]
+        if got[0] == "error":
+            raise got[1]
+    finally:
+        stop()
 
 
 def kubernetes_client() -> tuple[Any, str | None]:
@@ -574,10 +559,3 @@ def _check_roles(roles: set[str], flag: str) -> None:
             f"workers: give {flag.format('prefill')} and {flag.format('decode')}, "
             f"or {flag.format('colocated')}"
         )
-
-
-def _shutdown(resp: Any) -> None:
-    """End a watch's HTTP response; one whose stream already failed (a read timeout) has
-    handed its connection back to the pool, and urllib3 then refuses: nothing to end."""
-    with contextlib.suppress(RuntimeError):
-        resp.shutdown()

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
+from pdserve.common.retry import Backoff
 from pdserve.services.coordinator.prefix_index import PrefixIndex, ProvisionalHolds
 from pdserve.services.coordinator.router import (
     NoWorkerError,
@@ -250,7 +251,7 @@ class WorkerPool:
         assert worker.channel is not None
         stub = worker_pb2_grpc.WorkerStatusServiceStub(worker.channel)
         health = health_pb2_grpc.HealthStub(worker.channel)
-        backoff = BACKOFF_S[0]
+        backoff = Backoff(*BACKOFF_S)
         while not self._closed:
             call = stub.Watch(worker_pb2.WatchRequest(interval_s=REPORT_INTERVAL_S))
             try:
@@ -267,7 +268,7 @@ class WorkerPool:
                     report = await asyncio.wait_for(anext(reports), STALE_AFTER_S)
                     await self._learn_address(worker, report.address)
                     self._apply(worker, report)
-                    backoff = BACKOFF_S[0]
+                    backoff.reset()
             except (grpc.aio.AioRpcError, TimeoutError, StopAsyncIteration) as e:
                 if worker.healthy:
                     logger.warning("%s worker %s left routing: %s", self.role, worker.address, e)
@@ -277,8 +278,7 @@ class WorkerPool:
             if self.kv_events:
                 for index in (self.index, self.offload_index, self.host_index, self.provisional):
                     index.remove_worker(worker.address)
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, BACKOFF_S[1])
+            await backoff.wait()
 
     async def _learn_address(self, worker: WorkerEndpoint, address: str) -> None:
         if not address or address == worker.advertised:

@@ -11,7 +11,6 @@ one `RequestFailed` carrying a gRPC status code; each front maps it to its own e
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
 import time
@@ -23,6 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from pdserve.common.block_hashing import block_hashes
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.retry import Backoff
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
 from pdserve.services.convert import RETRY_AFTER_KEY, params_to_proto
 from pdserve.services.coordinator.metrics import RequestTimer
@@ -428,7 +428,8 @@ class Coordinator:
                 kv_handle=handle,
                 resumed=resumed,
             )
-            for attempt in itertools.count():
+            backoff = Backoff(*HANDOFF_BACKOFF_S)
+            while True:
                 decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
                 span.set_attribute("pdserve.decode_worker", decoder.address)
                 call = decoder.stub.Decode(
@@ -448,7 +449,7 @@ class Coordinator:
                     if not waiting:
                         waiting = True
                         self.handoffs_waiting += 1
-                    await self._wait_to_hand_off(e.error, attempt, handle, remaining, timer)
+                    await self._wait_to_hand_off(e.error, backoff, handle, remaining, timer)
         finally:
             if waiting:
                 self.handoffs_waiting -= 1
@@ -458,7 +459,7 @@ class Coordinator:
     async def _wait_to_hand_off(
         self,
         error: RequestFailed,
-        attempt: int,
+        backoff: Backoff,
         handle: kv_pb2.KvHandle,
         remaining: Callable[[], float | None],
         timer: RequestTimer,
@@ -468,7 +469,7 @@ class Coordinator:
         request waits and tries again (another decode worker, if one is less loaded) while
         the lease and the deadline last; back-pressure reaches new requests at prefill,
         whose blocks the waiting leases hold. Raises `error` when time is up."""
-        wait = min(HANDOFF_BACKOFF_S[1], HANDOFF_BACKOFF_S[0] * 2**attempt)
+        wait = backoff.next_delay()
         lease_left = handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
         left = remaining()
         if lease_left - wait < LEASE_MARGIN_S or (left is not None and left <= wait):

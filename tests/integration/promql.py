@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "helm" / "pdserve" / "dashboards" / "pdserve.json"
@@ -66,11 +67,9 @@ def metric_names(expr: str) -> set[str]:
 
 
 def declared_series(exposition: str) -> set[str]:
-    """The series names a Prometheus text exposition declares (by its # TYPE lines, so a
+    """The series names a Prometheus text exposition declares (by its metric families, so a
     labelled counter that has not counted yet still counts as exported)."""
     names = set()
-    for name, kind in re.findall(r"^# TYPE (\S+) (\w+)$", exposition, flags=re.MULTILINE):
-        if kind == "counter":  # the text format declares a counter by its _total name
-            name = name.removesuffix("_total")
-        names |= {name + suffix for suffix in SUFFIXES.get(kind, ("",))}
+    for family in text_string_to_metric_families(exposition):  # a counter's name lacks _total
+        names |= {family.name + suffix for suffix in SUFFIXES.get(family.type, ("",))}
     return names

@@ -1,7 +1,7 @@
 """The one way tests run pdserve service processes: start `pdserve <role> --port 0` as a
 real process, read its "listening" line, wait until `grpc.health.v1` says SERVING, and
 always stop it (SIGTERM, then SIGKILL) — also when the test fails. Plus small readers for
-a service's Prometheus metrics."""
+a service's Prometheus metrics (through `prometheus_client.parser`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import asyncio
 import contextlib
 import http.client
 import json
-import re
 import signal
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from pdserve.services.grpc_server import wait_healthy
 from pdserve.services.launcher import ServiceChild
@@ -38,28 +40,22 @@ class RunningService:
     def metrics_url(self) -> str:
         return self.info["metrics"]
 
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics, keyed by name and labels as printed."""
+    def metrics(self) -> list[Sample]:
+        """Every sample on /metrics (name as printed, labels, value)."""
         with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             text = r.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                samples[key] = float(value)
-        return samples
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of `name` over samples whose labels include `labels`."""
-        total = 0.0
-        for key, value in self.metrics().items():
-            m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})?", key)
-            if not m or m.group(1) != name:
-                continue
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += value
-        return total
+        return sum(
+            (
+                s.value
+                for s in self.metrics()
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+            ),
+            0.0,
+        )
 
     def free_blocks(self) -> int:
         return int(self.metric("pdserve_kv_cache_blocks_free"))

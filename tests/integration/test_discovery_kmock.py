@@ -23,6 +23,7 @@ import yaml
 pytest.importorskip("kmock")
 pytest.importorskip("kubernetes")
 
+from pdserve.common.retry import Backoff
 from pdserve.services.coordinator.discovery import (
     Discovery,
     KubernetesDiscovery,
@@ -239,7 +240,7 @@ def test_a_watch_that_breaks_resumes_without_repeating(apiserver: str) -> None:
     assert namespace == NAMESPACE  # from the kubeconfig context
     source = CountingSource(KubernetesSliceSource(api_client, NAMESPACE, read_timeout_s=0.3))
     selector = {"prefill": LabelSelector.parse(PREFILL)}
-    discovery = KubernetesDiscovery(selector, source, retry_initial_s=0.01, retry_max_s=0.05)
+    discovery = KubernetesDiscovery(selector, source, backoff=lambda: Backoff(0.01, 0.05))
     observed = Observed()
 
     async def scenario() -> None:

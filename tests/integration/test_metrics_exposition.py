@@ -11,6 +11,7 @@ import urllib.request
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from promql import DASHBOARD, RULES, dashboard_queries, declared_series, metric_names, run_promtool
 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -98,10 +99,10 @@ def test_dashboard_and_rules_read_only_series_the_services_export(traffic) -> No
             used |= metric_names(rule["expr"])
     declared = set().union(*(declared_series(text) for text in traffic.values()))
     sampled = {
-        line.split("{")[0].split(" ")[0]
+        sample.name
         for text in traffic.values()
-        for line in text.splitlines()
-        if line and not line.startswith("#")
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
     }
     assert used <= declared, used - declared
     assert used - sampled <= ONLY_ON_FAILURE, used - sampled

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.common.retry import Backoff
 from pdserve.services.coordinator.discovery import (
     Discovery,
     KubernetesDiscovery,
@@ -300,11 +302,23 @@ def ev(kind: str, obj: dict) -> dict:
 
 
 def discover(
-    source: ScriptedSource, selectors: dict[str, str], port_name: str = "grpc"
+    source: ScriptedSource,
+    selectors: dict[str, str],
+    port_name: str = "grpc",
+    waits: list[float] | None = None,
 ) -> list[tuple[str, frozenset[str]]]:
-    """Runs KubernetesDiscovery until every script is used up; its on_change calls."""
+    """Runs KubernetesDiscovery until every script is used up; its on_change calls. Its
+    backoff starts at 1 s, doubling up to 8 s, on a clock that appends to `waits` instead
+    of sleeping."""
+
+    async def sleep(seconds: float) -> None:
+        (waits if waits is not None else []).append(seconds)
+        await asyncio.sleep(0)
+
     parsed = {role: LabelSelector.parse(s) for role, s in selectors.items()}
-    discovery = KubernetesDiscovery(parsed, source, port_name, retry_initial_s=0.0)
+    discovery = KubernetesDiscovery(
+        parsed, source, port_name, backoff=lambda: Backoff(1.0, 8.0, async_sleep=sleep)
+    )
     return run_until(discovery, source.all_finished)
 
 
@@ -444,12 +458,11 @@ def test_410_gone_relists_and_reports_only_the_difference() -> None:
     a = eslice("p-a", [endpoint("10.0.0.1")], version="31")
     b = eslice("p-b", [endpoint("10.0.0.2")], version="32")
     c = eslice("p-c", [endpoint("10.0.0.3")], version="90")
-    gone = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
     source = ScriptedSource(
         {
             PREFILL: [
                 List([a], "30"),
-                Watch("30", [ev("ADDED", b), ev("ERROR", gone)]),
+                Watch("30", [ev("ADDED", b)], then=ResourceGone("an ERROR event in the stream")),
                 # Meanwhile a went away and c came: the relist is the truth.
                 List([b, c], "100"),
                 Watch("100", then=ResourceGone("from the call itself")),
@@ -519,6 +532,38 @@ def test_failed_lists_are_retried() -> None:
     assert discover(source, {"prefill": PREFILL}) == [("prefill", fs("10.0.0.1:50061"))]
 
 
+def test_failures_in_a_row_back_off_and_an_event_starts_over() -> None:
+    p = eslice("p", [endpoint("10.0.0.1")])
+    q = eslice("q", [endpoint("10.0.0.2")], version="4")
+    q5 = eslice("q", [endpoint("10.0.0.3")], version="5")
+    source = ScriptedSource(
+        {
+            PREFILL: [
+                List([], error=ConnectionRefusedError("refused")),  # waits 1 s
+                List([], error=ConnectionRefusedError("refused")),  # 2 s
+                List([p], "3"),
+                Watch("3", [ev("ADDED", q)], then=ConnectionResetError("reset")),  # 1 s again
+                Watch("4", then=TimeoutError("read")),  # 2 s
+                # After an event, a first 410 relists at once; a second in a row waits.
+                Watch("4", [ev("MODIFIED", q5)], then=ResourceGone("expired")),
+                List([p, q5], "6"),
+                Watch("6", then=ResourceGone("expired")),  # 2 s
+                List([p, q5], "7"),
+                Watch("7"),  # ended by the server at once, with no event: 4 s, not a spin
+            ]
+        }
+    )
+    waits: list[float] = []
+    changes = discover(source, {"prefill": PREFILL}, waits=waits)
+    assert waits == [1.0, 2.0, 1.0, 2.0, 2.0, 4.0]
+    assert source.calls[-1][1:] == ("watch", "7")  # then it resumed, past the script
+    assert changes == [
+        ("prefill", fs("10.0.0.1:50061")),
+        ("prefill", fs("10.0.0.1:50061", "10.0.0.2:50061")),
+        ("prefill", fs("10.0.0.1:50061", "10.0.0.3:50061")),
+    ]
+
+
 def test_an_error_in_on_change_ends_run() -> None:
     source = ScriptedSource({PREFILL: [List([], "1"), Watch("1")]})
     discovery = KubernetesDiscovery({"prefill": LabelSelector.parse(PREFILL)}, source)
@@ -532,6 +577,114 @@ def test_an_error_in_on_change_ends_run() -> None:
     with pytest.raises(KeyError):
         asyncio.run(main())
     assert [kind for _, kind, _ in source.calls] == ["list"]
+
+
+# --- the official client as KubernetesSliceSource drives it -----------------------------------
+
+
+class ApiResponse:
+    """The API server's answer as the client hands it over with `_preload_content=False`:
+    `data` whole, or `stream()` in chunks that split lines where they fall."""
+
+    def __init__(self, body: bytes, chunk: int = 7) -> None:
+        self.data, self.status, self._chunk = body, 200, chunk
+
+    def stream(self, amt: int | None = None, decode_content: bool | None = None):
+        for i in range(0, len(self.data), self._chunk):
+            yield self.data[i : i + self._chunk]
+
+    def close(self) -> None:
+        pass
+
+    def release_conn(self) -> None:
+        pass
+
+
+class DiscoveryApi:
+    """`DiscoveryV1Api.list_namespaced_endpoint_slice`, answering from a script (a body, or
+    an exception to raise) and recording each call's arguments."""
+
+    def __init__(self, *answers: bytes | Exception) -> None:
+        self.answers = list(answers)
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def list_namespaced_endpoint_slice(self, namespace: str, **kwargs: Any) -> ApiResponse:
+        self.calls.append((namespace, kwargs))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return ApiResponse(answer)
+
+
+def real_source(api: DiscoveryApi) -> Any:
+    pytest.importorskip("kubernetes")
+    from kubernetes.client import ApiClient
+
+    from pdserve.services.coordinator.discovery import KubernetesSliceSource
+
+    source = KubernetesSliceSource(ApiClient(), "llm", watch_timeout_s=300)
+    source._api = api  # the HTTP exchange is scripted; the client code above it is real
+    return source
+
+
+def lines(*events: dict) -> bytes:
+    return b"".join(json.dumps(e).encode() + b"\n" for e in events)
+
+
+def all_events(source: Any, version: str) -> list[dict]:
+    async def main() -> list[dict]:
+        return [e async for e in source.watch(PREFILL, version)]
+
+    return asyncio.run(main())
+
+
+def test_the_client_lists_and_watches_with_the_selector_sent_to_the_server() -> None:
+    a = eslice("p-a", [endpoint("10.0.0.1")], version="8")
+    bookmark = {"kind": "EndpointSlice", "metadata": {"resourceVersion": "9"}}
+    api = DiscoveryApi(
+        json.dumps({"items": [a], "metadata": {"resourceVersion": "7"}}).encode(),
+        lines(ev("ADDED", a), ev("BOOKMARK", bookmark), ev("DELETED", a)),
+    )
+    source = real_source(api)
+    assert asyncio.run(source.list(PREFILL)) == ([a], "7")
+    assert all_events(source, "7") == [ev("ADDED", a), ev("BOOKMARK", bookmark), ev("DELETED", a)]
+    (list_ns, list_args), (watch_ns, watch_args) = api.calls
+    assert list_ns == watch_ns == "llm"
+    assert list_args["label_selector"] == watch_args["label_selector"] == PREFILL
+    assert "watch" not in list_args
+    assert watch_args["watch"] is True and watch_args["resource_version"] == "7"
+    assert watch_args["allow_watch_bookmarks"] is True and watch_args["timeout_seconds"] == 300
+
+
+def test_the_clients_410_is_resource_gone_and_other_errors_stay_errors() -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    gone = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+    broken = {"kind": "Status", "code": 500, "reason": "InternalError", "message": "etcd"}
+    a = eslice("p-a", [endpoint("10.0.0.1")], version="8")
+    api = DiscoveryApi(
+        lines(ev("ADDED", a), ev("ERROR", gone)),  # an ERROR event in the stream
+        ApiException(status=410, reason="Gone"),  # the answer to the watch call
+        ApiException(status=410, reason="Gone"),  # the answer to a list
+        lines(ev("ERROR", broken)),
+    )
+    source = real_source(api)
+    seen: list[dict] = []
+
+    async def watch_into_seen() -> None:
+        async for event in source.watch(PREFILL, "7"):
+            seen.append(event)
+
+    with pytest.raises(ResourceGone):
+        asyncio.run(watch_into_seen())
+    assert seen == [ev("ADDED", a)]  # what came before the error was delivered
+    with pytest.raises(ResourceGone):
+        all_events(source, "8")
+    with pytest.raises(ResourceGone):
+        asyncio.run(source.list(PREFILL))
+    with pytest.raises(ApiException) as raised:
+        all_events(source, "8")
+    assert raised.value.status == 500 and not isinstance(raised.value, ResourceGone)
 
 
 def test_static_discovery_reports_its_lists_once() -> None:
