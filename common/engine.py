@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
+from pdserve.common.handoff.remote_queue import RemoteQueueFull
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.kv_host_tier import HostTier
 from pdserve.common.kv_offload import DiskTier
@@ -150,7 +152,7 @@ class LLMEngine:
     ) -> Request:
         """Validate, tokenize and queue one request. Raises `InvalidRequestError`. A
         `prefill_only` request stops after its first token and keeps its KV blocks (status
-        PREFILLED); the caller hands them off and then calls `free_request`. `resume`: the
+        PREFILLED); the handoff leases them (`common/handoff`). `resume`: the
         prompt ends with output of this request from an earlier, lost leg. `ttft_target_s`
         (serving; 0: none): raises `WorkerBusyError` when the prompt's first token is
         predicted later than that, so a saturated worker refuses early instead of letting
@@ -266,7 +268,7 @@ class LLMEngine:
         """A request whose prompt was computed and first token sampled by another worker.
         Its output state (detokenizer, stop rules, seeded generator) is brought to where
         that worker left it, so the tokens after the first are those one engine would give.
-        It holds no blocks yet: see `reserve_prefilled`."""
+        It holds no blocks yet: see `add_prefilled`."""
         request = self._new_request(list(prompt_token_ids), params, request_id, resume)
         vocab = self.runner.hf_config.vocab_size
         if not 0 <= first_token_id < vocab:
@@ -284,44 +286,41 @@ class LLMEngine:
         self.kv_cache.prefetch(request)  # the tier's copy of its prefix, read while it queues
         return request
 
-    def reserve_prefilled(self, request: Request) -> int | None:
-        """Allocate blocks for the prompt and the first token, reusing this worker's cached
-        prefix. Returns how many leading blocks came from the cache (the rest must be
-        filled by a pull), or None when the blocks do not fit now (or its blocks in the tier
-        below the pool are still being read: an idle engine waits for them)."""
-        if not self.kv_cache.load_from_tier(request, wait=not self.scheduler.running):
-            return None
-        cached = self.kv_cache.find_cached_prefix(request)
-        num_cached = len(cached) * self.kv_cache.block_size
-        if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
-            return None
-        request.num_cached_tokens = num_cached
-        self.scheduler.stats.prefix_cache_queries += request.num_prompt_tokens
-        self.scheduler.stats.prefix_cache_hits += num_cached
-        return len(cached)
-
-    def start_prefilled(self, request: Request) -> None:
-        """The pull filled the blocks: register them and join the running batch."""
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.scheduled_time = time.monotonic()
-        self.kv_cache.cache_full_blocks(request)
-        self.scheduler.add_running(request)
-
-    def free_request(self, request: Request) -> None:
-        """Give back the blocks of a request outside the scheduler (PREFILLED after its
-        handoff, or reserved for a pull that failed)."""
-        self.kv_cache.free(request)
+    def add_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        resume: Resume | None = None,
+    ) -> tuple[Request, Future[int]]:
+        """A request prefilled elsewhere (`new_prefilled_request`), queued for its blocks: a
+        future of how many leading blocks this worker's prefix cache serves (the rest are
+        pulled; then `scheduler.remote.landed`). Raises `InvalidRequestError`, or
+        `RemoteQueueFull` having given back what it made."""
+        request = self.new_prefilled_request(
+            prompt_token_ids, first_token_id, params, request_id, resume
+        )
+        try:
+            return request, self.scheduler.remote.submit(request)
+        except RemoteQueueFull:
+            self.scheduler.remote.withdraw(request)
+            raise
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
     def drop(self, request: Request) -> None:
         """End this request wherever it is and give back its blocks: in the scheduler
-        (aborted), PREFILLED (blocks kept for a handoff), or reserved for a pull."""
+        (aborted), PREFILLED (blocks kept for a handoff, under a lease or not yet), or
+        waiting for its KV from another worker."""
         if self.scheduler.requests.get(request.request_id) is request:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        elif request.status == RequestStatus.PREFILLED or not request.finished:
-            self.free_request(request)
+        elif request.status == RequestStatus.PREFILLED:
+            self.scheduler.leases.pop_request(request)
+            self.kv_cache.free(request)
+        elif not request.finished:
+            self.scheduler.remote.withdraw(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -15,7 +15,12 @@ measured cost of each (`KVCacheManager.swap_pays`). Before admission, a request'
 blocks in a tier are read back into the pool (`load_from_tier`).
 
 With a TPOT target, a step that carries decodes takes only the prefill tokens its measured
-cost allows (`StepPlan`): prompt chunks shrink while streams run and grow when none do."""
+cost allows (`StepPlan`): prompt chunks shrink while streams run and grow when none do.
+
+The two ends of the KV handoff meet the batch here too, before each step schedules: on a
+prefill worker, the blocks of leases that ended (pulled, released) or expired go back
+(`leases`); on a decode worker, requests whose KV another worker computed wait for blocks,
+are pulled, and join the running batch (`remote`; see `common/handoff`)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.handoff.leases import LeaseTable
+from pdserve.common.handoff.remote_queue import RemoteKvQueue
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.request import Request, RequestStatus
 from pdserve.common.step_cost import StepCostModel, StepPlan, attention_pairs
@@ -81,6 +88,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # The handoff's two ends (a prefill worker's leases, a decode worker's line of
+        # requests whose KV comes from elsewhere); each worker configures its own.
+        self.leases = LeaseTable(lease_s=30.0)
+        self.remote = RemoteKvQueue(self)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -92,13 +103,23 @@ class Scheduler:
         self.kv_cache.prefetch(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests in the batch or its queue, or handoffs whose state only a step moves
+        (leases to expire or free, requests waiting for, or done with, a pull)."""
+        return bool(self.requests) or self.leases.busy() or self.remote.busy()
+
+    def settle_handoffs(self) -> None:
+        """Free the blocks of leases that ended or expired; let pulled requests join,
+        abandoned ones go, and waiting ones take blocks while they fit."""
+        for request in self.leases.collect():
+            self.kv_cache.free(request)
+        self.remote.step()
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def schedule(self) -> ScheduledBatch:
+        self.settle_handoffs()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []

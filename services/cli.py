@@ -179,7 +179,7 @@ def _serving_command(args: argparse.Namespace) -> int:
 
         return run_coordinator(args)
     if args.command in ("prefill", "decode", "colocated"):
-        from pdserve.services.worker import run_worker
+        from pdserve.services.worker_process import run_worker
 
         return run_worker(args, args.command)
     from pdserve.services.client import run_chat, run_complete
@@ -188,7 +188,8 @@ def _serving_command(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.services.offline import Defaults, run_generate
+    from pdserve.services.generate_lines import Defaults
+    from pdserve.services.offline import run_generate
 
     defaults = Defaults(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     # Check the request-wide defaults before loading anything.

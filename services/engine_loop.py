@@ -48,9 +48,13 @@ class EngineLoop:
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._wake = threading.Condition()
         self._queues: dict[str, OutputQueue] = {}
-        # Run in the engine thread before every step (lease expiry, admissions, ...).
+        # The worker's own upkeep, run in the engine thread before every step and at least
+        # every IDLE_WAIT_S when idle (metrics, a tensor-parallel group's keepalive).
         self.housekeeping: list[Callable[[], None]] = []
+        # A handoff that ends off the engine thread (a pull landed, a lease ended) wakes it.
+        engine.scheduler.remote.notify = engine.scheduler.leases.notify = self.wake
         self._stopped = False
+        self._woken = False  # `wake` since the engine thread last looked
         self._thread = thread
         self.steps = 0
         # Requests that may wait for the batch at once (0: no limit); more are refused.
@@ -83,6 +87,12 @@ class EngineLoop:
         be aborted in its place, nor be refused as still in the engine), and wait for it
         even if the caller is cancelled meanwhile."""
         await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+
+    def wake(self) -> None:
+        """Have an idle engine thread look at its work again now (any thread)."""
+        with self._wake:
+            self._woken = True
+            self._wake.notify()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue `fn` for the engine thread without waiting for it (any thread)."""
@@ -179,6 +189,7 @@ class EngineLoop:
                 if self._stopped:
                     break
                 calls, self._calls = self._calls, []
+                self._woken = False
             self._run_calls(calls)
             if not engine.has_unfinished_requests():
                 continue
@@ -196,10 +207,10 @@ class EngineLoop:
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
             elif engine.last_batch_size == 0:
-                # Requests wait for blocks (held by leases or reservations): do not spin;
-                # a call that frees blocks wakes us, housekeeping runs at least this often.
+                # Requests wait for blocks (held by leases or pulls) or only leases are held:
+                # do not spin; a call or a handoff's end wakes us, leases expire on time.
                 with self._wake:
-                    if not self._calls and not self._stopped:
+                    if not self._calls and not self._woken and not self._stopped:
                         self._wake.wait(IDLE_WAIT_S)
 
     def _run_calls(self, calls: list[tuple[Callable[[], Any], Future[Any]]]) -> None:

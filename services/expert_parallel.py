@@ -5,7 +5,7 @@
 Before any process starts, rank 0 checks that the model is a mixture of experts whose
 expert count N divides. Each rank loads the whole model, keeps only its share of every MoE
 layer's experts, and has its own KV cache (data-parallel attention). A serving rank is a
-worker endpoint of its own (`worker.py`, `lockstep_loop.py`).
+worker endpoint of its own (`worker_process.py`, `lockstep_loop.py`).
 
 `pdserve generate`'s path: rank 0 reads and checks the JSONL lines and hands every rank the
 list of good ones; rank r runs lines r, r+N, r+2N, … Every step all ranks agree whether any
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pdserve.common.engine import LLMEngine, RequestOutput
 from pdserve.common.errors import InvalidRequestError, PdserveError
 from pdserve.common.models.expert_parallel import lockstep_busy
-from pdserve.services.offline import Defaults, parse_line, result_row
+from pdserve.services.generate_lines import Defaults, parse_line, result_row
 from pdserve.services.rank_group import RANK_ENV, RankGroup, join_rank_group
 
 

@@ -66,7 +66,7 @@ class LockstepEngineLoop(EngineLoop):
         last_busy = time.monotonic()
         while True:
             with self._wake:
-                if stalled or (
+                if (stalled and not self._woken) or (
                     not self._calls and not engine.has_unfinished_requests() and not self._stopped
                 ):
                     # Idle, or requests that wait for blocks everywhere (leases,
@@ -75,6 +75,7 @@ class LockstepEngineLoop(EngineLoop):
                     self._wake.wait(IDLE_POLL_S[quiet])
                 stopping = self._stopped
                 calls, self._calls = self._calls, []
+                self._woken = False
             self._run_calls(calls)
             busy = engine.has_unfinished_requests()
             any_busy, all_stopping, any_worked = self._agree(busy, stopping, worked)

@@ -220,11 +220,11 @@ class WorkerMetrics:
         KV_BLOCKS_FREE.labels(**labels).set_function(lambda: kv.num_free_blocks)
         KV_USAGE.labels(**labels).set_function(kv.usage)
         RUNNING.labels(**labels).set_function(lambda: len(sched.running))
-        self.extra_waiting = 0  # e.g. decode admissions waiting for blocks
-        self.saturated = False  # a decode worker's handoffs would wait past their bound
-        WAITING.labels(**labels).set_function(lambda: len(sched.waiting) + self.extra_waiting)
-        self.held = 0
-        HELD.labels(**labels).set_function(lambda: self.held)
+        # Waiting: for the batch, or (decode) for blocks to pull a handoff's KV into.
+        WAITING.labels(**labels).set_function(
+            lambda: len(sched.waiting) + len(sched.remote.pending)
+        )
+        HELD.labels(**labels).set_function(lambda: len(sched.leases))
         self._stats = sched.stats
         self._prefix_queries = PREFIX_QUERIES.labels(**labels)
         self._prefix_hits = PREFIX_HITS.labels(**labels)

@@ -224,8 +224,8 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         kv = engine.kv_cache
         load = {
             "num_running": len(engine.scheduler.running),
-            "num_waiting": len(engine.scheduler.waiting) + self.worker.metrics.extra_waiting,
-            "saturated": self.worker.metrics.saturated,
+            "num_waiting": len(engine.scheduler.waiting) + len(engine.scheduler.remote.pending),
+            "saturated": engine.scheduler.remote.is_saturated,
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
             "offload_cost": engine.tier_cost(kv.tier),

@@ -9,7 +9,7 @@ blocks, each holding that rank's heads, so the KV manager lives on rank 0 alone.
 steps rank 0 sends a keep-alive at least every `KEEPALIVE_S`, so an idle group's waiting
 ranks never reach the collective timeout; `STOP` ends them. A `COMMAND` is any other work
 for the ranks, in order with the steps (tensor parallelism's KV transfers,
-`services/tp_kv.py`): one picklable object to every rank, then an all-reduce of each rank's
+`common/handoff/slices.py`): one picklable object to every rank, then an all-reduce of each rank's
 status (0: done), so rank 0 learns whether all of them managed."""
 
 from __future__ import annotations

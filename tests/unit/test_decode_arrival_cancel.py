@@ -1,8 +1,9 @@
 """A Decode whose caller leaves while its arrival is still queued for the engine thread (the
 one call that makes the prefilled request and reserves its blocks, which waits for a step
-boundary): once that call has run, what it made goes back (`DecodeServicer`'s undo on
-cancellation). The real twin of the caller leaving after arrival is
-`test_cancel_mid_decode_frees_blocks_on_both_workers` (tests/integration)."""
+boundary): once that call has run, what it made goes back (the servicer has
+`KvReceiver.abandon` it, and the engine's next step gives its blocks back). The real twin
+of the caller leaving after arrival is `test_cancel_mid_decode_frees_blocks_on_both_workers`
+(tests/integration)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,14 @@ def test_caller_gone_while_arrival_queued_gives_back_its_blocks(tiny_model_dir):
         )  # fmt: skip
         servicer = DecodeServicer(worker, max_pending=4, prefill_workers=[PREFILL])
         free_after_arrival: list[int] = []
-        arrive = servicer._arrive
+        arrive = servicer.receiver.arrive
 
         def recorded_arrive(*args):  # engine thread: what the arrival left held
             made = arrive(*args)
             free_after_arrival.append(engine.kv_cache.num_free_blocks)
             return made
 
-        servicer._arrive = recorded_arrive
+        servicer.receiver.arrive = recorded_arrive
         loop.start()
         gate, holding = threading.Event(), threading.Event()
         loop.submit(lambda: (holding.set(), gate.wait(30)))  # a step that will not end yet
@@ -98,13 +99,15 @@ def test_caller_gone_while_arrival_queued_gives_back_its_blocks(tiny_model_dir):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             gate.set()
-            await loop.call(lambda: None)  # after the arrival and its undo
+            await loop.call(lambda: None)  # after the arrival (and its abandon, queued)
+            while await loop.call(engine.has_unfinished_requests):  # until a step settled it
+                await asyncio.sleep(0.01)
             return {
                 "queued_unrun": queued_unrun,
                 "cancelled": task.cancelled(),
                 "free_after_arrival": free_after_arrival,
                 "free": await loop.call(lambda: engine.kv_cache.num_free_blocks),
-                "pending": len(servicer.admission.pending),
+                "pending": len(engine.scheduler.remote.pending),
                 "in_engine": "gone" in engine.scheduler.requests,
             }
         finally:

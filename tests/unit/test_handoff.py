@@ -1,10 +1,14 @@
-"""The KV handoff inside one process, with the in-process transport (its real twin, over
-UCX between processes, is tests/integration/test_disaggregated.py): a prefill-only engine
+"""The KV handoff inside one process: the real `KvSender` and `KvReceiver` over the
+in-process transport, joined by `LocalLink` where processes use gRPC (the real twin, over
+UCX between processes, is tests/integration/test_disaggregated.py). A prefill-only engine
 hands a request's blocks to a second engine, which continues it. The tokens must be those
-one engine gives — greedy and seeded sampling alike — and every block must come back."""
+one engine gives — greedy and seeded sampling alike — and every block must come back,
+through the engines' own steps (leases end, pulls land, abandoned requests go)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from typing import NamedTuple
 
 import pytest
@@ -12,7 +16,12 @@ import pytest
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.errors import InvalidRequestError
-from pdserve.common.kv_transfer import KvTransport, create_transport
+from pdserve.common.handoff.handle import KvHandle
+from pdserve.common.handoff.local_link import LocalLink
+from pdserve.common.handoff.receiver import KvReceiver, PullFailed
+from pdserve.common.handoff.sender import KvSender
+from pdserve.common.handoff.transfer_metrics import NoMetrics
+from pdserve.common.kv_transfer import create_transport
 from pdserve.common.request import RequestStatus
 from pdserve.common.sampling_params import SamplingParams
 
@@ -38,81 +47,167 @@ def _run(engine: LLMEngine) -> list:
     return outputs
 
 
-class Worker(NamedTuple):
-    engine: LLMEngine
-    transport: KvTransport
+async def _unused_engine_call(fn):  # tensor-parallel commands only: none here
+    raise AssertionError("no tensor-parallel group in this test")
 
 
-def handoff(prefill_worker: Worker, decode_worker: Worker, prompt, params, rid: str):
-    """Prefill on one engine, move the blocks, decode on the other: (tokens, pulled)."""
-    prefill, decode = prefill_worker.engine, decode_worker.engine
-    request = prefill.add_request(prompt, params, rid, prefill_only=True)
-    (first,) = _run(prefill)
-    assert first.finished and first.finish_reason is None
-    assert request.status == RequestStatus.PREFILLED and request.blocks
+class Pair(NamedTuple):
+    prefill: LLMEngine
+    decode: LLMEngine
+    sender: KvSender
+    receiver: KvReceiver
 
-    continued = decode.new_prefilled_request(prompt, first.new_token_ids[0], params, rid)
-    num_cached = decode.reserve_prefilled(continued)
-    assert num_cached is not None
-    src = request.block_ids[num_cached:]
-    if src:
-        tag = decode_worker.transport.new_tag()
-        received = decode_worker.transport.post_receive(
-            tag, continued.block_ids[num_cached : len(request.blocks)], timeout=5
-        )
-        sent = prefill_worker.transport.send(decode_worker.transport.address, tag, src, timeout=5)
-        assert sent.result(5).num_blocks == received.result(5).num_blocks == len(src)
-    prefill.free_request(request)
-    decode.start_prefilled(continued)
-    outs = _run(decode)
-    return first.new_token_ids + [t for o in outs for t in o.new_token_ids], len(src)
+
+def _pair(model_dir, lease_s: float = 60.0, max_pending: int = 4) -> Pair:
+    prefill, decode = _engine(model_dir), _engine(model_dir)
+    transports = []
+    for engine in (prefill, decode):
+        transport = create_transport("inproc")
+        transport.register_pool(engine.runner.kv_cache)
+        transports.append(transport)
+    sender = KvSender(prefill, transports[0], "prefill-unit", "127.0.0.1:1", lease_s, 5.0,
+                      NoMetrics(), _unused_engine_call)  # fmt: skip
+    receiver = KvReceiver(decode, transports[1], 5.0, NoMetrics(), _unused_engine_call,
+                          max_pending=max_pending)  # fmt: skip
+    return Pair(prefill, decode, sender, receiver)
 
 
 @pytest.fixture
-def engines(tiny_model_dir):
-    workers = []
-    for _ in range(2):
-        engine = _engine(tiny_model_dir)
-        transport = create_transport("inproc")
-        transport.register_pool(engine.runner.kv_cache)
-        workers.append(Worker(engine, transport))
-    yield workers
-    for worker in workers:
-        worker.transport.close()
+def pair(tiny_model_dir):
+    pair = _pair(tiny_model_dir)
+    yield pair
+    pair.sender.transport.close()
+    pair.receiver.transport.close()
 
 
-def test_handoff_gives_one_engines_tokens(tiny_model_dir, engines):
+def _prefill(pair: Pair, prompt, params, rid: str) -> tuple[int, KvHandle]:
+    """Prefill on the prefill engine: its first token, and the handle to its leased blocks."""
+    request = pair.prefill.add_request(prompt, params, rid, prefill_only=True)
+    (first,) = _run_until(pair.prefill, lambda: request.status == RequestStatus.PREFILLED)
+    assert first.finished and first.finish_reason is None
+    return first.new_token_ids[0], pair.sender.grant(request)
+
+
+def _run_until(engine: LLMEngine, done) -> list:
+    """Step until `done()` (a prefill engine holding leases always has work)."""
+    outputs = []
+    while not done():
+        outputs += engine.step()
+    return outputs
+
+
+def handoff(pair: Pair, prompt, params, rid: str) -> tuple[list[int], int]:
+    """Prefill on one engine, pull the blocks, decode on the other: (tokens, pulled)."""
+    first, handle = _prefill(pair, prompt, params, rid)
+    pair.receiver.check(handle, len(prompt))
+    request, admitted = pair.receiver.arrive(prompt, first, params, rid, None)
+    num_cached = admitted.result(0)  # the blocks fit at once here
+    pulled = asyncio.run(pair.receiver.pull(request, handle, num_cached, LocalLink(pair.sender)))
+    pair.receiver.landed(request)
+    outs = _run(pair.decode)
+    pair.prefill.step()  # the lease ended with the send: its blocks go back at this step
+    assert not pair.prefill.has_unfinished_requests()
+    return [first] + [t for o in outs for t in o.new_token_ids], pulled
+
+
+def test_handoff_gives_one_engines_tokens(tiny_model_dir, pair):
     reference = _engine(tiny_model_dir, enable_prefix_caching=False)
-    free = [w.engine.kv_cache.num_free_blocks for w in engines]
+    free = [e.kv_cache.num_free_blocks for e in (pair.prefill, pair.decode)]
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         expected = reference.generate([prompt], params)[0].token_ids
-        got, pulled = handoff(*engines, prompt, params, f"r{i}")
+        got, pulled = handoff(pair, prompt, params, f"r{i}")
         assert got == expected, params
         assert pulled == -(-len(prompt) // 16)
-    assert [w.engine.kv_cache.num_free_blocks for w in engines] == free
+    assert [e.kv_cache.num_free_blocks for e in (pair.prefill, pair.decode)] == free
 
 
-def test_decode_pulls_only_what_it_does_not_cache(tiny_model_dir, engines):
+def test_decode_pulls_only_what_it_does_not_cache(tiny_model_dir, pair):
     params = PARAMS[0]
     shared = list(range(1000, 1064))  # four full blocks
-    handoff(*engines, [*shared, 1, 2, 3], params, "a")
-    got, pulled = handoff(*engines, [*shared, 9, 8], params, "b")
+    handoff(pair, [*shared, 1, 2, 3], params, "a")
+    got, pulled = handoff(pair, [*shared, 9, 8], params, "b")
     assert pulled == 1  # only the tail block; the shared four come from decode's cache
     reference = _engine(tiny_model_dir, enable_prefix_caching=False)
     assert got == reference.generate([[*shared, 9, 8]], params)[0].token_ids
 
 
-def test_first_token_that_finishes_is_not_handed_off(engines):
-    prefill, decode = (w.engine for w in engines)
+def test_everything_cached_releases_the_lease_unsent(pair):
+    params = PARAMS[0]
+    prompt = list(range(2000, 2032))  # two full blocks, both cached on decode after the first
+    handoff(pair, prompt, params, "a")
+    free = pair.prefill.kv_cache.num_free_blocks
+    first, handle = _prefill(pair, prompt, params, "b")
+    assert len(pair.sender.leases) == 1
+    request, admitted = pair.receiver.arrive(prompt, first, params, "b", None)
+    num_cached = admitted.result(0)
+    assert num_cached == handle.num_blocks  # prompt + first token: a third block, fresh
+    link = LocalLink(pair.sender)
+    assert asyncio.run(pair.receiver.pull(request, handle, num_cached, link)) == 0
+    assert len(pair.sender.leases) == 0  # released, not expired
+    pair.receiver.landed(request)
+    _run(pair.decode)
+    pair.prefill.step()
+    assert pair.prefill.kv_cache.num_free_blocks == free
+
+
+def test_a_stale_handle_fails_the_pull_and_gives_back_its_blocks(pair):
+    params = PARAMS[0]
+    prompt = PROMPTS[1]
+    free = pair.decode.kv_cache.num_free_blocks
+    first, handle = _prefill(pair, prompt, params, "a")
+    assert pair.sender.release(handle.lease_id)  # the lease is gone before decode pulls
+    request, admitted = pair.receiver.arrive(prompt, first, params, "a", None)
+    link = LocalLink(pair.sender)
+    with pytest.raises(PullFailed, match="NOT_FOUND: lease_id") as failed:
+        asyncio.run(pair.receiver.pull(request, handle, admitted.result(0), link))
+    assert failed.value.reason == PullFailed.STALE
+    pair.receiver.abandon(request)
+    assert pair.decode.has_unfinished_requests()  # the abandon waits for a step
+    pair.decode.step()
+    pair.prefill.step()
+    assert not pair.decode.has_unfinished_requests()
+    assert not pair.prefill.has_unfinished_requests()
+    assert pair.decode.kv_cache.num_free_blocks == free
+    assert pair.prefill.kv_cache.num_free_blocks == pair.prefill.runner.num_blocks
+
+
+def test_an_unpulled_lease_expires_in_the_prefill_engines_step(tiny_model_dir):
+    pair = _pair(tiny_model_dir, lease_s=0.0)
+    _prefill(pair, PROMPTS[0], PARAMS[0], "a")
+    assert pair.prefill.has_unfinished_requests()  # a lease is held: steps have work
+    pair.prefill.step()
+    assert len(pair.sender.leases) == 0 and pair.sender.leases.num_expired == 1
+    assert pair.prefill.kv_cache.num_free_blocks == pair.prefill.runner.num_blocks
+    assert not pair.prefill.has_unfinished_requests()
+
+
+def test_first_token_that_finishes_is_not_handed_off(pair):
     params = SamplingParams(max_tokens=1, temperature=0)
-    request = prefill.add_request(PROMPTS[0], params, "one", prefill_only=True)
-    (out,) = _run(prefill)
+    request = pair.prefill.add_request(PROMPTS[0], params, "one", prefill_only=True)
+    (out,) = _run(pair.prefill)
     assert out.finish_reason == "length" and not request.blocks
     with pytest.raises(InvalidRequestError, match="first_token_id"):
-        decode.new_prefilled_request(PROMPTS[0], out.new_token_ids[0], params, "one")
+        pair.receiver.arrive(PROMPTS[0], out.new_token_ids[0], params, "one", None)
+    assert not pair.decode.has_unfinished_requests()
 
 
-def test_bad_first_token_is_refused(engines):
-    decode = engines[1].engine
+def test_bad_first_token_is_refused(pair):
     with pytest.raises(InvalidRequestError, match=r"first_token_id: must be in \[0, 49152\)"):
-        decode.new_prefilled_request(PROMPTS[0], 49152, PARAMS[0], "bad")
+        pair.receiver.arrive(PROMPTS[0], 49152, PARAMS[0], "bad", None)
+
+
+def test_a_handle_for_another_layout_is_refused_naming_the_field(pair):
+    _, handle = _prefill(pair, PROMPTS[1], PARAMS[0], "a")
+    cases = {
+        "kv_handle.block_size": dataclasses.replace(handle, block_size=32),
+        "kv_handle.num_tokens": dataclasses.replace(handle, num_tokens=5),
+        "kv_handle.layout_fingerprint": dataclasses.replace(handle, layout_fingerprint="x"),
+        "kv_handle.transport": dataclasses.replace(handle, transport="ucx"),
+        "kv_handle.lease_id": dataclasses.replace(handle, lease_id=""),
+        "kv_handle.block_ids": dataclasses.replace(handle, block_ids=handle.block_ids[:1]),
+    }
+    for field, bad in cases.items():
+        with pytest.raises(InvalidRequestError, match=f"^{field}: ") as refused:
+            pair.receiver.check(bad, len(PROMPTS[1]))
+        assert refused.value.field == field
+    pair.receiver.check(handle, len(PROMPTS[1]))

@@ -15,13 +15,19 @@ import pytest
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import RELEARN_AFTER_S, LLMEngine
 from pdserve.common.errors import WorkerBusyError
+from pdserve.common.handoff.remote_queue import RemoteKvQueue
 from pdserve.common.request import Resume
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.step_cost import StepCostModel, StepPlan, attention_pairs
-from pdserve.services.decode.admission import Admission
 
 BASE, PER_DECODE, PER_TOKEN, PER_ATTENTION = 0.010, 0.002, 0.0003, 0.004
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def remote_queue(engine: LLMEngine, **kw) -> RemoteKvQueue:
+    """The decode engine's line of requests waiting for remote KV, set up as a worker would."""
+    engine.scheduler.remote = RemoteKvQueue(engine.scheduler, **kw)
+    return engine.scheduler.remote
 
 
 def true_cost(decodes: int, prefill: int, attention: float) -> float:
@@ -209,7 +215,7 @@ def test_a_decode_worker_batches_to_the_tpot_target(tiny_model_dir):
     requests = [engine.new_prefilled_request(p, 5, GREEDY, f"d{i}") for i, p in enumerate(prompts)]
     # A step of three streams (their 41-token contexts) is within the target, four are not.
     engine.scheduler.tpot_target_s = true_cost(3, 0, 3 * attention_pairs(40, 1)) + 1e-6
-    admission = Admission(engine, max_pending=4)
+    admission = remote_queue(engine, max_pending=4)
     admitted = [admission.submit(r) for r in requests]
     assert [f.done() for f in admitted] == [True, True, True, False]
     admission.start(requests[0])
@@ -227,7 +233,7 @@ def test_a_decode_worker_batches_to_the_tpot_target(tiny_model_dir):
 def test_a_target_no_batch_meets_leaves_decode_batches_to_their_slots(tiny_model_dir):
     engine = _engine(tiny_model_dir)
     engine.scheduler.tpot_target_s = true_cost(1, 0, 0.0) / 2  # one stream alone misses it
-    admission = Admission(engine, max_pending=4)
+    admission = remote_queue(engine, max_pending=4)
     requests = [
         engine.new_prefilled_request(list(range(200 + 100 * i, 240 + 100 * i)), 5, GREEDY, f"d{i}")
         for i in range(4)
@@ -260,8 +266,8 @@ def test_the_scheduler_names_an_unmet_tpot_target_while_prompts_wait(tiny_model_
         for i in range(2)
     ]
     for r in streams:
-        assert engine.reserve_prefilled(r) is not None
-        engine.start_prefilled(r)  # two streams decoding, as a pull leaves them
+        assert engine.scheduler.remote.submit(r).result(0) is not None
+        engine.scheduler.remote.start(r)  # two streams decoding, as a pull leaves them
     engine.scheduler.tpot_target_s = true_cost(2, 0, 2 * attention_pairs(40, 1)) / 2
     with caplog.at_level(logging.WARNING, logger="pdserve.common.scheduler"):
         engine.scheduler.schedule()  # only decodes: nothing waits on the target

@@ -8,12 +8,18 @@ import pytest
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
+from pdserve.common.handoff.leases import LeaseBusy, LeaseError, LeaseTable
+from pdserve.common.handoff.remote_queue import RemoteKvQueue, RemoteQueueFull
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.decode.admission import Admission, AdmissionQueueFull
-from pdserve.services.prefill.leases import LeaseBusy, LeaseError, LeaseTable
 
 pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def remote_queue(engine: LLMEngine, **kw) -> RemoteKvQueue:
+    """The decode engine's line of requests waiting for remote KV, set up as a worker would."""
+    engine.scheduler.remote = RemoteKvQueue(engine.scheduler, **kw)
+    return engine.scheduler.remote
 
 
 def _engine(model_dir, tokens: int = 1024) -> LLMEngine:
@@ -42,7 +48,7 @@ def test_lease_release_on_pull_and_errors(tiny_model_dir):
     assert leases.pop_expired() == [] and len(leases) == 1
     request = leases.pop(lease.lease_id)
     assert request is lease.request and leases.pop(lease.lease_id) is None
-    engine.free_request(request)
+    engine.kv_cache.free(request)
     assert engine.kv_cache.num_free_blocks == free
     with pytest.raises(LeaseError, match="lease_id"):
         leases.begin_send(lease.lease_id, 0)
@@ -78,7 +84,7 @@ def test_unpulled_lease_expires_but_not_while_sending(tiny_model_dir):
 
 def test_admission_waits_for_blocks_and_is_bounded(tiny_model_dir):
     engine = _engine(tiny_model_dir, tokens=64)  # 4 blocks
-    admission = Admission(engine, max_pending=1)
+    admission = remote_queue(engine, max_pending=1)
     prompt = list(range(200, 240))  # 40 tokens + the first token: 3 blocks
     a = engine.new_prefilled_request(prompt, 5, GREEDY, "a")
     b = engine.new_prefilled_request(list(range(300, 340)), 5, GREEDY, "b")
@@ -86,7 +92,7 @@ def test_admission_waits_for_blocks_and_is_bounded(tiny_model_dir):
     assert admission.submit(a).result(0) == 0
     waiting = admission.submit(b)
     assert not waiting.done() and engine.kv_cache.num_free_blocks == 1
-    with pytest.raises(AdmissionQueueFull, match="max_pending 1"):
+    with pytest.raises(RemoteQueueFull, match="max_pending 1"):
         admission.submit(c)
     admission.admit()
     assert not waiting.done()
@@ -99,7 +105,7 @@ def test_admission_waits_for_blocks_and_is_bounded(tiny_model_dir):
 
 def test_withdraw_from_the_queue(tiny_model_dir):
     engine = _engine(tiny_model_dir, tokens=64)
-    admission = Admission(engine, max_pending=4)
+    admission = remote_queue(engine, max_pending=4)
     a = engine.new_prefilled_request(list(range(200, 240)), 5, GREEDY, "a")
     b = engine.new_prefilled_request(list(range(300, 340)), 5, GREEDY, "b")
     admission.submit(a)
@@ -115,7 +121,7 @@ def test_admission_counts_pulls_against_max_num_seqs(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), dtype="float32", threads=1,
                      kv_cache_tokens=1024, max_num_seqs=1)
     )  # fmt: skip
-    admission = Admission(engine, max_pending=4)
+    admission = remote_queue(engine, max_pending=4)
     a = engine.new_prefilled_request(list(range(200, 240)), 5, GREEDY, "a")
     b = engine.new_prefilled_request(list(range(300, 340)), 5, GREEDY, "b")
     admission.submit(a)
@@ -137,7 +143,7 @@ def test_admission_saturates_when_a_handoff_would_wait_past_the_bound(tiny_model
     )  # fmt: skip
     all_free = engine.kv_cache.num_free_blocks
     now = [0.0]
-    admission = Admission(engine, max_pending=8, max_wait_s=3.0, clock=lambda: now[0])
+    admission = remote_queue(engine, max_pending=8, max_wait_s=3.0, clock=lambda: now[0])
     req = {
         rid: engine.new_prefilled_request(list(range(200 + 50 * i, 240 + 50 * i)), 5, GREEDY, rid)
         for i, rid in enumerate("abcde")
@@ -184,7 +190,7 @@ def test_the_wait_prediction_follows_the_lines_grants_where_blocks_are_the_limit
     engine = _engine(tiny_model_dir, tokens=512)  # 32 blocks of 16
     all_free = engine.kv_cache.num_free_blocks
     now = [0.0]
-    admission = Admission(engine, max_pending=16, max_wait_s=3.0, clock=lambda: now[0])
+    admission = remote_queue(engine, max_pending=16, max_wait_s=3.0, clock=lambda: now[0])
     big = {
         rid: engine.new_prefilled_request(
             list(range(1000 + 200 * i, 1150 + 200 * i)), 5, GREEDY, rid

@@ -37,7 +37,9 @@ class Loop:
 def fake_worker() -> SimpleNamespace:
     engine = SimpleNamespace(
         kv_cache=SimpleNamespace(pool=Pool(), block_size=16, tier=None, host_tier=None),
-        scheduler=SimpleNamespace(running=[], waiting=[]),
+        scheduler=SimpleNamespace(
+            running=[], waiting=[], remote=SimpleNamespace(pending=[], is_saturated=False)
+        ),
         tier_cost=lambda tier: 0.0,
     )
     loop = Loop()
@@ -45,7 +47,7 @@ def fake_worker() -> SimpleNamespace:
     return SimpleNamespace(
         loop=loop, worker_id="w", role="prefill", group="", group_rank=0, group_size=1,
         address="10.0.0.7:50061",
-        metrics=SimpleNamespace(extra_waiting=0, saturated=False, labels=LABELS),
+        metrics=SimpleNamespace(labels=LABELS),
     )  # fmt: skip
 
 

@@ -4,14 +4,16 @@ expired.
 
 The table has its own lock so that the gRPC handlers grant leases and start transfers
 without waiting for the engine thread (a prefill step can take seconds on a CPU); it never
-frees blocks itself. Whoever takes a request out of it (`pop`, `pop_expired`) hands it to the
-engine thread, the only one that touches the block pool."""
+frees blocks itself. A lease that ends (`end`: pulled or released) or expires leaves its
+request for the engine's next step (`collect`), the only place that touches the block pool:
+the scheduler frees them before it schedules."""
 
 from __future__ import annotations
 
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.request import Request, RequestStatus
@@ -38,11 +40,18 @@ class LeaseTable:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self._leases: dict[str, Lease] = {}
+        self._ended: list[Request] = []  # leases over: their blocks to free at the next step
         self._lock = threading.Lock()
         self.num_expired = 0
+        # Wakes an idle engine when there are blocks to free (set by the engine's loop).
+        self.notify: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def busy(self) -> bool:
+        """Leases held or ended: the engine's steps have work here (expiry, frees)."""
+        return bool(self._leases or self._ended)
 
     def grant(self, request: Request) -> Lease:
         assert request.status == RequestStatus.PREFILLED and request.blocks
@@ -106,6 +115,24 @@ class LeaseTable:
                     del self._leases[lease_id]
                     return True
         return False
+
+    def end(self, lease_id: str, unless_sending: bool = False) -> bool:
+        """End the lease (pulled, or released: `unless_sending` then leaves a lease under
+        transfer to that transfer); its blocks are freed at the engine's next step."""
+        request = self.release(lease_id) if unless_sending else self.pop(lease_id)
+        if request is None:
+            return False
+        with self._lock:
+            self._ended.append(request)
+        self.notify()
+        return True
+
+    def collect(self) -> list[Request]:
+        """Engine thread, before a step: the requests whose blocks go back now (their lease
+        ended or expired)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended + self.pop_expired()
 
     def pop_expired(self) -> list[Request]:
         """The requests whose lease ran out unpulled; the caller frees their blocks."""

@@ -1,5 +1,6 @@
 """KV handoff between tensor-parallel groups: a prefill group of P ranks and a decode group
-of D (either may be one process; P = D = 1 is the plain whole-block path of the servicers).
+of D (either may be one process; P = D = 1 is the plain whole-block path of `sender.py` and
+`receiver.py`).
 
 Every rank of a group has its own transport on its own pool; rank 0 gathers their addresses
 at start (`gather_addresses`). The prefill KV handle names the prefill group's size and
