@@ -218,7 +218,7 @@ def main() -> None:
     for name, extra in configs.items():
         engine = LLMEngine(EngineConfig(**base, **extra))
         results[name] = run(engine, prompts, args.max_tokens)
-        tier = engine.kv_cache.tier
+        tier = engine.kv_cache.tiers.disk
         if tier is not None:
             tier.flush()
             s = dataclasses.replace(tier.stats)  # the workload's, before the isolated reads

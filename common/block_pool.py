@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.common.block_events import BlockEventLog
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -78,9 +80,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}
-        # (stored?, hash) changes of `cached` since the last drain, while recording: what a
-        # worker streams to the coordinator's prefix-aware router.
-        self._events: list[tuple[bool, int]] | None = None
+        # (stored?, hash) changes of `cached`: what a worker streams to the router.
+        self.events = BlockEventLog()
         # Called with a cached block about to be reused for new data (its KV still in
         # place): the KV manager's hook that spills it to the tier below.
         self.on_evict: Callable[[KVCacheBlock], None] | None = None
@@ -146,29 +147,23 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
-        if self._events is not None:
-            self._events.append((True, block_hash))
+        self.events.add(True, block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                if self._events is not None:
-                    self._events.append((False, block.block_hash))
+                self.events.add(False, block.block_hash)
             block.block_hash = None
             block.token_ids = None
 
     def record_events(self) -> None:
         """From now on, log every hash stored in or evicted from the prefix cache."""
-        if self._events is None:
-            self._events = []
+        self.events.record()
 
     def drain_events(self) -> list[tuple[bool, int]]:
         """The (stored?, hash) changes since the last drain, oldest first."""
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
+        return self.events.drain()
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -27,6 +27,7 @@ from pdserve.common.handoff.remote_queue import RemoteQueueFull
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.kv_host_tier import HostTier
 from pdserve.common.kv_offload import DiskTier
+from pdserve.common.kv_tiers import KVTier
 from pdserve.common.model_files import resolve_model
 from pdserve.common.model_runner import ModelRunner
 from pdserve.common.prompts import Prompt, max_model_len, tokenize_prompt
@@ -75,21 +76,19 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         kv = self.runner.kv_cache
-        disk = None
+        disk = host = shared = None
         if config.kv_offload_dir:
             disk = self._disk_tier("kv_offload_dir", config.kv_offload_dir, config.kv_offload_gb)
-            self.kv_cache.attach_tier(disk, kv)
         if config.kv_host_offload_gb:
             host = HostTier(
                 int(config.kv_host_offload_gb * 2**30), kv.shape[1:], kv.dtype,
                 pin=kv.device.type == "cuda", below=disk.store if disk is not None else None,
             )  # fmt: skip
-            self.kv_cache.attach_host_tier(host, kv)
         if config.kv_shared_dir:
             shared = self._disk_tier(
                 "kv_shared_dir", config.kv_shared_dir, config.kv_shared_gb, shared=True
             )
-            self.kv_cache.attach_shared_tier(shared, self.runner.kv_cache)
+        self.kv_cache.attach_tiers(kv, host=host, disk=disk, shared=shared)
         self.step_cost = StepCostModel()
         # The first step with prompt tokens and the first without pay one-off costs (the
         # allocator's growth, each kernel's first call, a C++ extension built on first use:
@@ -117,8 +116,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the tiers' pending writes (so a restart finds them) and stop their threads."""
-        for tier in self.kv_cache.tiers:
-            tier.close()
+        self.kv_cache.tiers.close()
 
     def _eos_token_ids(self) -> frozenset[int]:
         """EOS ids from the model config, the generation config (where chat models list
@@ -370,7 +368,7 @@ class LLMEngine:
             new = per_token if old is None else 0.8 * old + 0.2 * per_token
             self.prefill_seconds_per_token = self.kv_cache.prefill_seconds_per_token = new
 
-    def tier_cost(self, tier: DiskTier | HostTier | None) -> float:
+    def tier_cost(self, tier: KVTier | None) -> float:
         """Bringing a block back from `tier` over computing it, both measured here (0 while
         either is unknown, or without the tier)."""
         load = tier.seconds_per_load() if tier is not None else None

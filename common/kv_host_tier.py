@@ -5,8 +5,8 @@ When the slab is full its least recently used block moves down to the next tier 
 tier, when there is one) before its slot is reused. On a CPU worker the slab is ordinary
 memory: the tier then only adds room next to the pool.
 
-The same interface as `DiskTier` (see `common/kv_offload.py`), without a thread: every
-block it holds is ready at once."""
+A `KVTier` (`common/kv_tiers.py`) without a thread: every block it holds is ready at once,
+so it has nothing to read ahead, wait for or write."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.common.kv_offload import TierStats
+from pdserve.common.kv_tiers import KVTier
 
 
-class HostTier:
+class HostTier(KVTier):
     def __init__(
         self,
         capacity_bytes: int,
@@ -28,6 +28,7 @@ class HostTier:
         pin: bool,
         below: Callable[[int, tuple[int, ...], torch.Tensor], None] | None = None,
     ) -> None:
+        super().__init__()
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = torch.empty(self.block_shape, dtype=dtype).nbytes
@@ -37,8 +38,6 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._held: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # LRU first
         self.below = below  # where an evicted block goes (hash, token ids, KV)
-        self.stats = TierStats()
-        self._events: list[tuple[bool, int]] | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -61,11 +60,11 @@ class HostTier:
                 self.below(victim, tokens, self.slab[slot])
             self._free.append(slot)
             self.stats.evictions += 1
-            self._event(False, victim)
+            self.events.add(False, victim)
         slot = self._free.pop()
         self.slab[slot].copy_(kv)
         self._held[block_hash] = (slot, tuple(token_ids))
-        self._event(True, block_hash)
+        self.events.add(True, block_hash)
         self.stats.stores += 1
         self.stats.store_bytes += self.block_bytes
         self.stats.store_seconds += time.perf_counter() - start
@@ -78,18 +77,7 @@ class HostTier:
             held += 1
         return held, True
 
-    def wait_ready(self, hashes: Sequence[int], timeout: float) -> None:
-        return None
-
-    def read_into(self, dests: dict[int, torch.Tensor]) -> None:
-        return None  # nothing is ever being read
-
-    def release(self, hashes: Sequence[int]) -> None:
-        return None
-
     def touch(self, hashes: Sequence[int]) -> None:
-        """Make the held ones of a run of one chain's blocks (head first) the most recently
-        used, tail first: the run's head ends up the most recent, so its tail goes first."""
         for h in reversed(hashes):
             if h in self._held:
                 self._held.move_to_end(h)
@@ -109,30 +97,8 @@ class HostTier:
         self.stats.load_bytes += len(out) * self.block_bytes
         return out  # the caller's copy into the pool is timed into load_seconds
 
-    def seconds_per_load(self) -> float | None:
-        """Measured seconds to bring one block back (its copy into the pool)."""
-        s = self.stats
-        return s.load_seconds / s.loads if s.loads else None
-
-    def record_events(self) -> None:
-        if self._events is None:
-            self._events = []
-
-    def drain_events(self) -> list[tuple[bool, int]]:
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
-
     def held_hashes(self) -> list[int]:
         return list(self._held)
-
-    def _event(self, held: bool, block_hash: int) -> None:
-        if self._events is not None:
-            self._events.append((held, block_hash))
-
-    def flush(self, timeout: float = 30.0) -> bool:
-        return True
 
     def check_consistent(self) -> list[str]:
         """What is wrong with the slots' bookkeeping (empty: nothing): every slot is either

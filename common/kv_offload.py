@@ -1,6 +1,7 @@
-"""The disk tier of the KV cache: full prefix blocks the pool evicts are written here instead
-of vanishing, and a later request whose prefix misses the pool but hits this tier has them
-read back into pool blocks before it is scheduled.
+"""The disk tier of the KV cache (a `KVTier`, see `common/kv_tiers.py`): full prefix blocks
+the pool evicts are written here instead of vanishing, and a later request whose prefix
+misses the pool but hits this tier has them read back into pool blocks before it is
+scheduled.
 
 A block is one file, `<hash as 16 hex digits>.kvb`, under a folder named by a digest of the
 worker's KV layout fingerprint (so a tier only ever serves blocks of its own layout): a
@@ -42,11 +43,12 @@ import uuid
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import torch
+
+from pdserve.common.kv_tiers import KVTier
 
 Block = tuple[tuple[int, ...], torch.Tensor]  # token ids, KV
 
@@ -59,23 +61,6 @@ SUFFIX = ".kvb"
 LOADING = object()  # `take`: the block is being read; ask again later
 STALE_TMP_S = 600.0  # a shared folder's temporary file older than this is a dead write
 READ_AHEAD = 8  # queued reads whose files the kernel is asked to start reading
-
-
-@dataclass
-class TierStats:
-    """Running counts, read by the worker's metrics."""
-
-    stores: int = 0  # blocks written to disk
-    store_bytes: int = 0
-    store_seconds: float = 0.0
-    loads: int = 0  # blocks read back from disk
-    loads_into_pool: int = 0  # of which read straight into a pool block (`read_into`)
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    hits: int = 0  # blocks handed back to the pool (read, or still waiting to be written)
-    evictions: int = 0  # blocks deleted to stay within capacity
-    dropped: int = 0  # stores refused because too much waited to be written
-    corrupt: int = 0  # files whose header, size, tokens or checksum did not match
 
 
 # Tiers still open at exit finish their writes first (an I/O thread cut off inside torch at
@@ -99,7 +84,7 @@ def layout_folder(root: Path, fingerprint: str) -> Path:
     return root / hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
 
-class DiskTier:
+class DiskTier(KVTier):
     def __init__(
         self,
         root: str | Path,
@@ -110,6 +95,7 @@ class DiskTier:
         max_pending_bytes: int = 256 * 2**20,
         shared: bool = False,
     ) -> None:
+        super().__init__()
         # A shared tier's folder is written by other workers too: a block missing from the
         # index is looked for on disk, and a block gone from disk is a miss, not corruption.
         self.shared = shared
@@ -121,7 +107,6 @@ class DiskTier:
         self.block_bytes = torch.empty(self.block_shape, dtype=dtype).nbytes
         self.capacity_bytes = capacity_bytes
         self.max_pending_bytes = max_pending_bytes
-        self.stats = TierStats()
         self._lock = threading.Condition()
         # Every block held (on disk or to be written): hash -> file bytes, least recently
         # used first.
@@ -141,9 +126,6 @@ class DiskTier:
         self._writes: deque[int] = deque()
         self._stopped = False
         self.used_bytes = 0
-        # (held?, hash) changes since the last drain, while recording: what a worker streams
-        # to the coordinator's prefix-aware router, as for the pool.
-        self._events: list[tuple[bool, int]] | None = None
         self._recover()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-offload", daemon=True)
         self._thread.start()
@@ -167,26 +149,10 @@ class DiskTier:
             self._index[block_hash] = HEADER.size + 4 * len(token_ids) + self.block_bytes
             self.used_bytes += self._index[block_hash]
             self._writes.append(block_hash)
-            self._event(True, block_hash)
+            self.events.add(True, block_hash)
             self._lock.notify()
 
-    def record_events(self) -> None:
-        """From now on, log every hash this tier starts or stops holding."""
-        with self._lock:
-            if self._events is None:
-                self._events = []
-
-    def drain_events(self) -> list[tuple[bool, int]]:
-        """The (held?, hash) changes since the last drain, oldest first."""
-        with self._lock:
-            if not self._events:
-                return []
-            events, self._events = self._events, []
-            return events
-
     def touch(self, hashes: Sequence[int]) -> None:
-        """Make the held ones of a run of one chain's blocks (head first, as in a prompt) the
-        most recently used, tail first: the run's head ends up the most recent."""
         with self._lock:
             for h in reversed(hashes):
                 if h in self._index:
@@ -200,10 +166,6 @@ class DiskTier:
         """Every hash this tier holds (on disk or being written), least recently used first."""
         with self._lock:
             return list(self._index)
-
-    def _event(self, held: bool, block_hash: int) -> None:
-        if self._events is not None:  # under the lock
-            self._events.append((held, block_hash))
 
     def lookup(self, hashes: Sequence[int]) -> tuple[int, bool]:
         """How many of `hashes`, from the first, this tier holds, and whether all of those
@@ -326,11 +288,6 @@ class DiskTier:
         self.used_bytes += size
         return True
 
-    def seconds_per_load(self) -> float | None:
-        """Measured seconds to read one block back (None before the first read)."""
-        s = self.stats
-        return s.load_seconds / s.loads if s.loads else None
-
     def num_blocks(self) -> int:
         with self._lock:
             return len(self._index)
@@ -441,7 +398,7 @@ class DiskTier:
         size = self._index.pop(block_hash, None)
         if size is not None:
             self.used_bytes -= size
-            self._event(False, block_hash)
+            self.events.add(False, block_hash)
 
     def _write(self, block_hash: int) -> None:
         with self._lock:

@@ -168,7 +168,7 @@ class KvOffloadCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         kv = self.kv
-        named = (("host", kv.host_tier), ("disk", kv.tier), ("shared", kv.shared_tier))
+        named = (("host", kv.tiers.host), ("disk", kv.tiers.disk), ("shared", kv.tiers.shared))
         tiers = [(name, tier) for name, tier in named if tier is not None]
         names = [*self.labels, "tier"]
         counters = [

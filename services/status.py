@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 if TYPE_CHECKING:
-    from pdserve.common.kv_host_tier import HostTier
-    from pdserve.common.kv_offload import DiskTier
+    from pdserve.common.kv_tiers import KVTier
 
 from pdserve.services.convert import RETRY_AFTER_KEY, RETRY_AFTER_S
 from pdserve.services.metrics import STATUS_RESYNCS, STATUS_WATCHERS_REFUSED
@@ -64,7 +63,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         engine = worker.loop.engine
         self.pool = engine.kv_cache.pool
         self.pool.record_events()
-        for tier in (engine.kv_cache.host_tier, engine.kv_cache.tier):
+        for tier in (engine.kv_cache.tiers.host, engine.kv_cache.tiers.disk):
             if tier is not None:
                 tier.record_events()
         self.block_size = engine.kv_cache.block_size
@@ -228,14 +227,15 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
             "saturated": engine.scheduler.remote.is_saturated,
             "free_blocks": self.pool.num_free_blocks,
             "total_blocks": self.pool.num_blocks,
-            "offload_cost": engine.tier_cost(kv.tier),
-            "host_cost": engine.tier_cost(kv.host_tier),
+            "offload_cost": engine.tier_cost(kv.tiers.disk),
+            "host_cost": engine.tier_cost(kv.tiers.host),
         }
         pool = self.pool.drain_events(), list(self.pool.cached) if with_index else None
-        return (pool, _changes(kv.tier, with_index), _changes(kv.host_tier, with_index)), load
+        disk, host = _changes(kv.tiers.disk, with_index), _changes(kv.tiers.host, with_index)
+        return (pool, disk, host), load
 
 
-def _changes(tier: DiskTier | HostTier | None, with_index: bool) -> Changes:
+def _changes(tier: KVTier | None, with_index: bool) -> Changes:
     if tier is None:
         return [], None
     return tier.drain_events(), tier.held_hashes() if with_index else None

@@ -74,7 +74,7 @@ def test_tier_gives_the_unbounded_pools_ids_and_its_hits(tiny_model_dir, tmp_pat
     assert _run(tiered) == expected
     hits = {e: e.scheduler.stats.prefix_cache_hits for e in (unbounded, small, tiered)}
     assert hits[tiered] == hits[unbounded] > hits[small]
-    assert tiered.kv_cache.tier_hit_tokens > 0
+    assert tiered.kv_cache.tiers.hit_tokens > 0
     assert all(t.stats.hits > 0 for t in tiered.kv_cache.tiers), tiers
     for engine in (small, tiered):
         assert engine.kv_cache.num_free_blocks == engine.runner.num_blocks
@@ -87,7 +87,7 @@ def test_corrupt_blocks_on_disk_are_recomputed(tiny_model_dir, tmp_path):
     expected = _run(_engine(tiny_model_dir, "float32", kv_cache_tokens=4096))
 
     def corrupt_every_block(engine: LLMEngine) -> None:
-        tier = engine.kv_cache.tier
+        tier = engine.kv_cache.tiers.disk
         assert tier is not None and tier.flush()
         files = sorted(tier.folder.glob("*.kvb"))
         assert files
@@ -98,7 +98,7 @@ def test_corrupt_blocks_on_disk_are_recomputed(tiny_model_dir, tmp_path):
 
     tiered = _engine(tiny_model_dir, "float32", kv_cache_tokens=192, kv_offload_dir=str(tmp_path))
     assert _run(tiered, between=corrupt_every_block) == expected
-    tier = tiered.kv_cache.tier
+    tier = tiered.kv_cache.tiers.disk
     assert tier is not None and tier.stats.corrupt > 0
     assert tiered.kv_cache.num_free_blocks == tiered.runner.num_blocks
     _assert_tiers_drained(tiered)
@@ -128,15 +128,16 @@ def test_preemption_swaps_or_recomputes_with_the_same_ids(tiny_model_dir, tmp_pa
     assert [o.token_ids for o in engine.generate(CROWD, LONG)] == expected
     stats = engine.scheduler.stats
     assert stats.num_preemptions > 0
-    assert kv.tier is not None and kv.tier.flush()
+    tier = kv.tiers.disk
+    assert tier is not None and tier.flush()
     if mode == "swap":
         assert stats.num_preemptions_swapped == stats.num_preemptions
-        assert kv.tier.stats.stores > 0 and kv.tier_hit_tokens > 0  # came back from the tier
+        assert tier.stats.stores > 0 and kv.tiers.hit_tokens > 0  # came back from the tier
     else:
         assert stats.num_preemptions_swapped == 0
         # The preempted blocks were dropped, not spilled: nothing comes back from the tier
         # (the prompts share nothing, so finished requests' spilled blocks are never read).
-        assert kv.tier_hit_tokens == 0
+        assert kv.tiers.hit_tokens == 0
     assert kv.num_free_blocks == engine.runner.num_blocks
     _assert_tiers_drained(engine)
     engine.close()
@@ -145,13 +146,14 @@ def test_preemption_swaps_or_recomputes_with_the_same_ids(tiny_model_dir, tmp_pa
 def test_swap_pays_by_measured_cost(tiny_model_dir, tmp_path):
     engine = _engine(tiny_model_dir, "float32", kv_cache_tokens=128, kv_offload_dir=str(tmp_path))
     kv = engine.kv_cache
-    assert kv.tier is not None
+    tier = kv.tiers.disk
+    assert tier is not None
     request = engine.add_request(CROWD[0], LONG)
     request.num_computed_tokens = 64  # 4 blocks
     kv.prefill_seconds_per_token = None
     assert kv.swap_pays(request)  # nothing measured yet: keep the KV
-    kv.tier.stats.stores, kv.tier.stats.store_seconds = 10, 10 * 0.001  # 1 ms a block
-    kv.tier.stats.loads, kv.tier.stats.load_seconds = 10, 10 * 0.001
+    tier.stats.stores, tier.stats.store_seconds = 10, 10 * 0.001  # 1 ms a block
+    tier.stats.loads, tier.stats.load_seconds = 10, 10 * 0.001
     kv.prefill_seconds_per_token = 0.001  # 64 ms to recompute vs 8 ms to swap
     assert kv.swap_pays(request)
     kv.prefill_seconds_per_token = 0.0001  # 6.4 ms to recompute vs 8 ms to swap

@@ -36,7 +36,9 @@ class Loop:
 
 def fake_worker() -> SimpleNamespace:
     engine = SimpleNamespace(
-        kv_cache=SimpleNamespace(pool=Pool(), block_size=16, tier=None, host_tier=None),
+        kv_cache=SimpleNamespace(
+            pool=Pool(), block_size=16, tiers=SimpleNamespace(disk=None, host=None)
+        ),
         scheduler=SimpleNamespace(
             running=[], waiting=[], remote=SimpleNamespace(pending=[], is_saturated=False)
         ),
