@@ -1,11 +1,14 @@
-"""Engine configuration: one dataclass, filled from CLI flags or `PDSERVE_*` variables,
-checked once at start-up. Everything that sizes the engine (KV cache, batch limits) is here."""
+"""Engine configuration: one dataclass, checked once at start-up. Everything that sizes the
+engine (KV cache, batch limits) is here. Each field that is a command-line option declares it
+(`option`): its help, and so its flag `--<name>` and `PDSERVE_<NAME>` variable, live beside
+its type and default, and services/engine_args.py builds the flags from them."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import types
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 if TYPE_CHECKING:
     import torch
@@ -35,50 +38,192 @@ def auto_dtype(device: str) -> str:
     return "float32"
 
 
+@dataclass(frozen=True)
+class Option:
+    """One option of a command: the flag `--<name>` (underscores as dashes), also read from
+    the variable `PDSERVE_<NAME>`; a flag on the command line wins. A `bool` option is a
+    switch, on when given."""
+
+    name: str
+    type: type  # str, int, float or bool
+    default: Any
+    help: str  # as argparse takes it: %(default)s names the default
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    # The dataclass field it sets (None: an option of a command, not of a config);
+    # `inverted`: the switch turns off a field that is on by default (--no-prefix-caching).
+    field: str | None = None
+    inverted: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "PDSERVE_" + self.name.upper()
+
+    def to_field(self, value: Any) -> Any:
+        """The parsed value as the field it sets takes it."""
+        return not value if self.inverted else value
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    name: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field that is also a command-line option (see `options_of`). `name`: the
+    option's own name, where it is not the field's: a `bool` field on by default is turned
+    off by its switch (`name="no_prefix_caching"`)."""
+    spec = {"help": help, "name": name, "metavar": metavar, "choices": choices}
+    return field(default=default, metadata={"option": spec})
+
+
+def options_of(cls: type) -> tuple[Option, ...]:
+    """The options the fields of dataclass `cls` declare, in field order; the type is the
+    field's (without None), the default the field's."""
+    hints = get_type_hints(cls)
+    found = []
+    for f in fields(cls):
+        spec = f.metadata.get("option")
+        if spec is None:
+            continue
+        assert f.default is not MISSING, f"{cls.__name__}.{f.name}: an option needs a default"
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):
+            (kind,) = [t for t in kind.__args__ if t is not type(None)]
+        inverted = kind is bool and f.default is True
+        assert not inverted or spec["name"], f"{f.name}: a switch that turns it off needs a name"
+        found.append(
+            Option(
+                name=spec["name"] or f.name,
+                type=kind,
+                default=False if inverted else f.default,
+                help=spec["help"],
+                metavar=spec["metavar"],
+                choices=spec["choices"],
+                field=f.name,
+                inverted=inverted,
+            )
+        )
+    return tuple(found)
+
+
 @dataclass
 class EngineConfig:
-    # A local Hugging Face folder; None means the embedded default model.
-    model: str | None = None
+    model: str | None = option(
+        None,
+        "local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
     # "auto": bfloat16 where the device computes it natively, float32 elsewhere.
-    dtype: str = "auto"
-    device: str = "cpu"
+    dtype: str = option(
+        "auto",
+        "weights, activations and KV cache dtype; auto is bfloat16 on GPUs and CPUs with "
+        "native bf16 (AVX512-BF16, AMX), float32 elsewhere (default: %(default)s)",
+        choices=("auto", *DTYPE_NAMES),
+    )
+    device: str = option("cpu", "cpu or cuda[:N] (default: %(default)s)")
     # torch intra-op threads; None: every core this process may run on.
-    threads: int | None = None
-    block_size: int = 16
-    # KV cache size: --kv-cache-gb, or a token count (--kv-cache-tokens) which wins if set.
-    kv_cache_gb: float = 2.0
-    kv_cache_tokens: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    threads: int | None = option(None, "torch threads (default: every core this process may use)")
+    block_size: int = option(16, "tokens per KV block (default: %(default)s)")
+    # KV cache size: kv_cache_gb, or a token count (kv_cache_tokens) which wins if set.
+    kv_cache_gb: float = option(2.0, "KV cache size in GiB (default: %(default)s)")
+    kv_cache_tokens: int | None = option(None, "KV cache size in tokens (overrides --kv-cache-gb)")
+    max_num_seqs: int = option(128, "most requests in one batch (default: %(default)s)")
+    max_num_batched_tokens: int = option(
+        2048,
+        "token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)",
+    )
     # A step that carries decodes takes only the prefill tokens that keep it within this
     # many milliseconds, by measured step costs (0: the token budget alone).
-    tpot_target_ms: float = 50.0
+    tpot_target_ms: float = option(
+        50.0,
+        "while streams decode, a step takes only the prompt tokens that keep it within "
+        "this time per output token, by measured step costs; 0: the token budget alone "
+        "(default: %(default)s)",
+    )
     # None: the model's own limit (max_position_embeddings).
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    # A local-disk tier below the KV pool: evicted prefix blocks are written here and read
-    # back on a hit (None: evicted blocks are dropped). At most kv_offload_gb GiB.
-    kv_offload_dir: str | None = None
-    kv_offload_gb: float = 4.0
-    # Host memory between the pool and the disk tier (pinned on GPUs), GiB; 0: none.
-    kv_host_offload_gb: float = 0.0
-    # A tier shared with other workers of the same layout (e.g. a ReadWriteMany volume):
-    # every cached block is written through to it, and any worker can read it back.
-    kv_shared_dir: str | None = None
-    kv_shared_gb: float = 16.0
-    # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts).
-    count_expert_tokens: bool = False
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's limit)")
     # MoE models: split the experts over this many rank processes.
-    expert_parallel: int = 1
+    expert_parallel: int = option(
+        1,
+        "mixture-of-experts models: run N rank processes, each holding num_experts/N "
+        "experts and its own share of the requests (default: %(default)s)",
+        metavar="N",
+    )
+    # Dense models: split every layer over this many rank processes (rank 0 schedules).
+    tensor_parallel: int = option(
+        1,
+        "split every layer of a dense model over N rank processes (attention by "
+        "heads, the MLP by rows; gloo on CPU, NCCL on GPU); the group is one worker "
+        "(default: %(default)s)",
+        metavar="N",
+    )
     # MoE models under expert parallelism: this many extra expert slots (spread over the
     # ranks) hold copies of the hottest experts, re-placed from the counts seen so far.
-    redundant_experts: int = 0
-    # Model steps between two re-placements of the redundant experts.
-    eplb_interval: int = 64
-    # Dense models: split every layer over this many rank processes (rank 0 schedules).
-    tensor_parallel: int = 1
+    redundant_experts: int = option(
+        0,
+        "with --expert-parallel: K extra expert slots that hold copies of the hottest "
+        "experts, re-placed as the load shifts (default: %(default)s)",
+        metavar="K",
+    )
+    eplb_interval: int = option(
+        64,
+        "model steps between two re-placements of the redundant experts (default: %(default)s)",
+        metavar="STEPS",
+    )
+    # A local-disk tier below the KV pool: evicted prefix blocks are written here and read
+    # back on a hit (None: evicted blocks are dropped). At most kv_offload_gb GiB.
+    kv_offload_dir: str | None = option(
+        None,
+        "a local-disk tier below the KV cache: evicted prefix blocks are written here "
+        "and read back when a later prompt shares them (default: off)",
+        metavar="DIR",
+    )
+    kv_offload_gb: float = option(
+        4.0,
+        "size of the --kv-offload-dir tier in GiB; least recently used blocks go first "
+        "(default: %(default)s)",
+        metavar="GB",
+    )
+    # Host memory between the pool and the disk tier (pinned on GPUs), GiB; 0: none.
+    kv_host_offload_gb: float = option(
+        0.0,
+        "host memory (pinned on GPUs) between the KV cache and --kv-offload-dir: evicted "
+        "prefix blocks go here first and come back at memory speed (default: 0, none)",
+        metavar="GB",
+    )
+    # A tier shared with other workers of the same layout (e.g. a ReadWriteMany volume):
+    # every cached block is written through to it, and any worker can read it back.
+    kv_shared_dir: str | None = option(
+        None,
+        "a KV tier shared by workers of the same model (e.g. a ReadWriteMany volume): "
+        "every cached prefix block is written through to it and any worker reads it back, "
+        "so a conversation moved to another worker keeps its cache (default: off)",
+        metavar="DIR",
+    )
+    kv_shared_gb: float = option(
+        16.0,
+        "how much of --kv-shared-dir this worker fills before deleting the least "
+        "recently used blocks it knows of (default: %(default)s)",
+        metavar="GB",
+    )
+    enable_prefix_caching: bool = option(
+        True, "turn off automatic prefix caching", name="no_prefix_caching"
+    )
     # GPUs: run every step eagerly instead of replaying decode steps as CUDA graphs.
-    enforce_eager: bool = False
+    enforce_eager: bool = option(
+        False,
+        "GPUs: run decode steps eagerly instead of replaying them as CUDA graphs "
+        "(captured at start for batch sizes up to --max-num-seqs)",
+    )
+    # MoE models: count tokens per expert per layer (ModelRunner.expert_token_counts); set
+    # by the serving worker, not an option.
+    count_expert_tokens: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -170,3 +315,7 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+# The engine's options, in the order `--help` lists them (services/engine_args.py).
+ENGINE_OPTIONS = options_of(EngineConfig)

@@ -4,7 +4,7 @@ Serving: `serve` (the whole system on this host; `make serve` runs it), or one s
 process for containers: `coordinator`, `prefill`, `decode`, `colocated`. Clients: `chat` and
 `complete` talk to a running coordinator. Offline: `generate` (JSONL batch) and `demo`.
 Every flag of a service can also come from a `PDSERVE_<FLAG>` environment variable (for
-containers); a flag on the command line wins."""
+containers); a flag on the command line wins. `options` prints them all (docs/options.md)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     # Offline nobody watches tokens stream: steps take the whole token budget, as vLLM's
     # offline engine does, unless a TPOT target is asked for.
-    add_engine_args(gen, tpot_target_ms="0")
+    add_engine_args(gen, tpot_target_ms=0.0)
 
     _add_serving_commands(sub)
 
@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("prompts", nargs="*", help="chat prompts (default: a small demo set)")
     demo.add_argument("--max-tokens", type=int, default=96, help="max new tokens per answer")
     add_engine_args(demo)
+
+    sub.add_parser(
+        "options",
+        help="every option of the serving and offline commands, with its PDSERVE_* variable",
+        description="Print docs/options.md: one table per group of flags (flag, variable, "
+        "commands, meaning and default), from this parser with no PDSERVE_* variable set.",
+    )
 
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
@@ -161,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "options":
+            return _options()
         return _serving_command(args)
     except (PdserveError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
@@ -204,6 +213,17 @@ def _generate(args: argparse.Namespace) -> int:
     if errors:
         print(f"pdserve generate: {errors} line(s) rejected; see above", file=sys.stderr)
         return 1
+    return 0
+
+
+def _options() -> int:
+    import os
+
+    from pdserve.services.option_table import markdown
+
+    for name in [n for n in os.environ if n.startswith("PDSERVE_")]:
+        del os.environ[name]  # the declared defaults, not this shell's
+    sys.stdout.write(markdown(build_parser()))
     return 0
 
 

@@ -1,18 +1,26 @@
 """Engine flags shared by every command that runs an engine (`generate`, `demo`, `prefill`,
-`decode`, `colocated`), each also read from a `PDSERVE_<FLAG>` environment variable (for
-containers); a flag on the command line wins."""
+`decode`, `colocated`, `serve`), built from the options EngineConfig's fields declare
+(common/config.py), each also read from a `PDSERVE_<NAME>` environment variable (for
+containers); a flag on the command line wins. `add_options` builds the flags of any declared
+options (the services' own are in service_args.py); `engine_config` and `engine_argv` turn
+the parsed flags into the config and back into a command line for a child process."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from pdserve.common.config import DTYPE_NAMES, EngineConfig
+from pdserve.common.config import ENGINE_OPTIONS, EngineConfig, Option
 from pdserve.common.errors import ModelLoadError, PdserveError
 
 if TYPE_CHECKING:
     from pdserve.common.engine import LLMEngine
+
+# What the title of a group of flags says when every flag in it is also read from
+# PDSERVE_<NAME> (services/option_table.py lists those variables by it).
+FROM_ENV = "each also read from PDSERVE_<NAME>"
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -24,201 +32,72 @@ def flag_env(name: str) -> bool:
     return env(name, "0") not in ("0", "", "false")
 
 
-def add_engine_args(p: argparse.ArgumentParser, tpot_target_ms: str = "50") -> None:
+def int_env(name: str, default: int | None = None) -> int | None:
+    value = env(name)
+    return default if value is None else _convert(f"PDSERVE_{name.upper()}", int, value)
+
+
+def env_default(option: Option, default: Any) -> Any:
+    """The option's default as its PDSERVE_<NAME> variable sets it; unset or empty: `default`
+    (a switch is off unless its variable turns it on). A value that does not convert stops
+    the command with a message naming the variable."""
+    if option.type is bool:
+        return flag_env(option.name)
+    value = env(option.name)
+    if not value:
+        return default
+    value = _convert(option.env, option.type, value)
+    if option.choices is not None and value not in option.choices:
+        raise SystemExit(
+            f"pdserve: error: {option.env} must be one of {', '.join(option.choices)}, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _convert(variable: str, kind: type, value: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise SystemExit(f"pdserve: error: {variable} must be {what}, got {value!r}") from None
+
+
+def add_options(
+    g: argparse._ArgumentGroup | argparse.ArgumentParser,
+    options: Iterable[Option],
+    **defaults: Any,
+) -> None:
+    """One flag per option; `defaults` overrides an option's declared default by name (a
+    command's own, e.g. its port). PDSERVE_<NAME> overrides both."""
+    for o in options:
+        default = env_default(o, defaults.get(o.name, o.default))
+        if o.type is bool:
+            g.add_argument(o.flag, action="store_true", default=default, help=o.help)
+        else:
+            g.add_argument(
+                o.flag,
+                type=None if o.type is str else o.type,
+                default=default,
+                metavar=o.metavar,
+                choices=o.choices,
+                help=o.help,
+            )
+
+
+def add_engine_args(p: argparse.ArgumentParser, tpot_target_ms: float = 50.0) -> None:
     """The engine's flags; `tpot_target_ms` is the command's default TPOT target (offline
     generation has no stream to keep within one: 0)."""
-    g = p.add_argument_group("engine (each also read from PDSERVE_<NAME>)")
-    g.add_argument(
-        "--model",
-        default=env("model"),
-        help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--dtype",
-        default=env("dtype", "auto"),
-        choices=["auto", *DTYPE_NAMES],
-        help="weights, activations and KV cache dtype; auto is bfloat16 on GPUs and CPUs with "
-        "native bf16 (AVX512-BF16, AMX), float32 elsewhere (default: %(default)s)",
-    )
-    g.add_argument(
-        "--device", default=env("device", "cpu"), help="cpu or cuda[:N] (default: %(default)s)"
-    )
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=int_env("threads"),
-        help="torch threads (default: every core this process may use)",
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=int_env("block_size", 16),
-        help="tokens per KV block (default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-cache-gb",
-        type=float,
-        default=float(env("kv_cache_gb", "2")),
-        help="KV cache size in GiB (default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=int_env("kv_cache_tokens"),
-        help="KV cache size in tokens (overrides --kv-cache-gb)",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=int_env("max_num_seqs", 128),
-        help="most requests in one batch (default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=int_env("max_num_batched_tokens", 2048),
-        help="token budget of one step; longer prompts are prefilled in chunks "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--tpot-target-ms",
-        type=float,
-        default=float(env("tpot_target_ms", tpot_target_ms)),
-        help="while streams decode, a step takes only the prompt tokens that keep it within "
-        "this time per output token, by measured step costs; 0: the token budget alone "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=int_env("max_model_len"),
-        help="longest prompt + output (default: the model's limit)",
-    )
-    g.add_argument(
-        "--expert-parallel",
-        type=int,
-        metavar="N",
-        default=int_env("expert_parallel", 1),
-        help="mixture-of-experts models: run N rank processes, each holding num_experts/N "
-        "experts and its own share of the requests (default: %(default)s)",
-    )
-    g.add_argument(
-        "--tensor-parallel",
-        type=int,
-        metavar="N",
-        default=int_env("tensor_parallel", 1),
-        help="split every layer of a dense model over N rank processes (attention by "
-        "heads, the MLP by rows; gloo on CPU, NCCL on GPU); the group is one worker "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--redundant-experts",
-        type=int,
-        metavar="K",
-        default=int_env("redundant_experts", 0),
-        help="with --expert-parallel: K extra expert slots that hold copies of the hottest "
-        "experts, re-placed as the load shifts (default: %(default)s)",
-    )
-    g.add_argument(
-        "--eplb-interval",
-        type=int,
-        metavar="STEPS",
-        default=int_env("eplb_interval", 64),
-        help="model steps between two re-placements of the redundant experts "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-offload-dir",
-        metavar="DIR",
-        default=env("kv_offload_dir"),
-        help="a local-disk tier below the KV cache: evicted prefix blocks are written here "
-        "and read back when a later prompt shares them (default: off)",
-    )
-    g.add_argument(
-        "--kv-offload-gb",
-        type=float,
-        metavar="GB",
-        default=float(env("kv_offload_gb", "4")),
-        help="size of the --kv-offload-dir tier in GiB; least recently used blocks go first "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--kv-host-offload-gb",
-        type=float,
-        metavar="GB",
-        default=float(env("kv_host_offload_gb", "0")),
-        help="host memory (pinned on GPUs) between the KV cache and --kv-offload-dir: evicted "
-        "prefix blocks go here first and come back at memory speed (default: 0, none)",
-    )
-    g.add_argument(
-        "--kv-shared-dir",
-        metavar="DIR",
-        default=env("kv_shared_dir"),
-        help="a KV tier shared by workers of the same model (e.g. a ReadWriteMany volume): "
-        "every cached prefix block is written through to it and any worker reads it back, "
-        "so a conversation moved to another worker keeps its cache (default: off)",
-    )
-    g.add_argument(
-        "--kv-shared-gb",
-        type=float,
-        metavar="GB",
-        default=float(env("kv_shared_gb", "16")),
-        help="how much of --kv-shared-dir this worker fills before deleting the least "
-        "recently used blocks it knows of (default: %(default)s)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   default=flag_env("no_prefix_caching"),
-                   help="turn off automatic prefix caching")  # fmt: skip
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=flag_env("enforce_eager"),
-        help="GPUs: run decode steps eagerly instead of replaying them as CUDA graphs "
-        "(captured at start for batch sizes up to --max-num-seqs)",
-    )
+    g = p.add_argument_group(f"engine ({FROM_ENV})")
+    add_options(g, ENGINE_OPTIONS, tpot_target_ms=float(tpot_target_ms))
 
 
 SERVICE_ROLES = ("prefill", "decode", "colocated")
 TENSOR_PARALLEL_COMMANDS = ("generate", *SERVICE_ROLES)
 
 
-def int_env(name: str, default: int | None = None) -> int | None:
-    value = env(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(
-            f"pdserve: error: PDSERVE_{name.upper()} must be an integer, got {value!r}"
-        ) from None
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        tpot_target_ms=args.tpot_target_ms,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_offload_dir=args.kv_offload_dir,
-        kv_offload_gb=args.kv_offload_gb,
-        kv_host_offload_gb=args.kv_host_offload_gb,
-        kv_shared_dir=args.kv_shared_dir,
-        kv_shared_gb=args.kv_shared_gb,
-        expert_parallel=args.expert_parallel,
-        redundant_experts=args.redundant_experts,
-        eplb_interval=args.eplb_interval,
-        tensor_parallel=args.tensor_parallel,
-        enforce_eager=args.enforce_eager,
-    )
+    return EngineConfig(**{o.field: o.to_field(getattr(args, o.name)) for o in ENGINE_OPTIONS})
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
@@ -274,34 +153,13 @@ def check_tensor_parallel(model: str | None, world_size: int) -> None:
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of `args` as a command line, to hand to a child process."""
+    """The engine flags of `args` as a command line, to hand to a child process: every
+    option that has a value, so that the child's own PDSERVE_* variables cannot differ."""
     argv: list[str] = []
-    for flag, value in [
-        ("--model", args.model),
-        ("--dtype", args.dtype),
-        ("--device", args.device),
-        ("--threads", args.threads),
-        ("--block-size", args.block_size),
-        ("--kv-cache-gb", args.kv_cache_gb),
-        ("--kv-cache-tokens", args.kv_cache_tokens),
-        ("--max-num-seqs", args.max_num_seqs),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--tpot-target-ms", args.tpot_target_ms),
-        ("--max-model-len", args.max_model_len),
-        ("--kv-offload-dir", args.kv_offload_dir),
-        ("--kv-offload-gb", args.kv_offload_gb if args.kv_offload_dir else None),
-        ("--kv-host-offload-gb", args.kv_host_offload_gb or None),
-        ("--kv-shared-dir", args.kv_shared_dir),
-        ("--kv-shared-gb", args.kv_shared_gb if args.kv_shared_dir else None),
-        ("--expert-parallel", args.expert_parallel if args.expert_parallel != 1 else None),
-        ("--redundant-experts", args.redundant_experts or None),
-        ("--eplb-interval", args.eplb_interval if args.eplb_interval != 64 else None),
-        ("--tensor-parallel", args.tensor_parallel if args.tensor_parallel != 1 else None),
-    ]:
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
+    for o in ENGINE_OPTIONS:
+        value = getattr(args, o.name)
+        if o.type is bool:
+            argv += [o.flag] if value else []
+        elif value is not None:
+            argv += [o.flag, str(value)]
     return argv

@@ -21,6 +21,7 @@ from typing import Any
 from pdserve.common.config import default_threads
 from pdserve.services.engine_args import engine_argv
 from pdserve.services.grpc_server import wait_healthy
+from pdserve.services.service_args import ADMISSION_OPTIONS
 from pdserve.services.tls import TlsFiles
 
 START_TIMEOUT_S = 300.0
@@ -133,10 +134,8 @@ def _run_serve(
     threads = args.threads or max(1, default_threads() // processes)
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0",
               "--drain-timeout", str(args.drain_timeout)]  # fmt: skip
-    admission = [  # workers only
-        *("--ttft-target-ms", str(args.ttft_target_ms)),
-        *("--handoff-wait-ms", str(args.handoff_wait_ms)),
-    ]
+    # The workers take the admission flags as serve was given them.
+    admission = [a for o in ADMISSION_OPTIONS for a in (o.flag, str(getattr(args, o.name)))]
     if tls_env or coordinator_env.get("PDSERVE_PUBLIC_TLS_CERT"):
         common += ["--health-port", "0"]  # health is then checked where no certificate is asked
     children: list[ServiceChild] = []
