@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "options",
-        help="every option of the serving and offline commands, with its PDSERVE_* variable",
+        help="every option of the serving, client and offline commands, with its PDSERVE_* "
+        "variable",
         description="Print docs/options.md: one table per group of flags (flag, variable, "
         "commands, meaning and default), from this parser with no PDSERVE_* variable set.",
     )

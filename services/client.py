@@ -9,16 +9,31 @@ from collections.abc import Iterator
 
 import grpc
 
-from pdserve.services.engine_args import env
+from pdserve.common.config import Option
+from pdserve.services.engine_args import FROM_ENV, add_options
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+# The coordinator a client talks to and how (`add_client_args`).
+CONNECTION_OPTIONS = (
+    Option("address", str, "127.0.0.1:50051", "coordinator host:port (default: %(default)s)"),
+    Option(
+        "api_key",
+        str,
+        None,
+        "the coordinator's API key, sent as 'authorization: Bearer KEY' (prefer "
+        "PDSERVE_API_KEY: a flag shows in the process list)",
+    ),
+    Option(
+        "public_tls_ca",
+        str,
+        None,
+        "CA bundle (PEM) to verify a coordinator serving TLS (--public-tls-cert); "
+        "default: plain text",
+    ),
+)
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--address",
-        default=env("address", "127.0.0.1:50051"),
-        help="coordinator host:port (default: %(default)s)",
-    )
     p.add_argument(
         "--max-tokens", type=int, default=256, help="most tokens per answer (default: %(default)s)"
     )
@@ -26,19 +41,8 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)"
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument(
-        "--api-key",
-        default=env("api_key"),
-        help="the coordinator's API key, sent as 'authorization: Bearer KEY' (prefer "
-        "PDSERVE_API_KEY: a flag shows in the process list)",
-    )
-
-    p.add_argument(
-        "--public-tls-ca",
-        default=env("public_tls_ca"),
-        help="CA bundle (PEM) to verify a coordinator serving TLS (--public-tls-cert); "
-        "default: plain text",
-    )
+    g = p.add_argument_group(f"connection to the coordinator ({FROM_ENV})")
+    add_options(g, CONNECTION_OPTIONS)
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:

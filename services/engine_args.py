@@ -23,27 +23,13 @@ if TYPE_CHECKING:
 FROM_ENV = "each also read from PDSERVE_<NAME>"
 
 
-def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"PDSERVE_{name.upper()}", default)
-
-
-def flag_env(name: str) -> bool:
-    """A switch's default from PDSERVE_<NAME>: on unless unset, empty, 0 or false."""
-    return env(name, "0") not in ("0", "", "false")
-
-
-def int_env(name: str, default: int | None = None) -> int | None:
-    value = env(name)
-    return default if value is None else _convert(f"PDSERVE_{name.upper()}", int, value)
-
-
 def env_default(option: Option, default: Any) -> Any:
     """The option's default as its PDSERVE_<NAME> variable sets it; unset or empty: `default`
-    (a switch is off unless its variable turns it on). A value that does not convert stops
-    the command with a message naming the variable."""
+    (a switch is on when its variable is set to anything but 0 or false). A value that does
+    not convert stops the command with a message naming the variable."""
+    value = os.environ.get(option.env, "")
     if option.type is bool:
-        return flag_env(option.name)
-    value = env(option.name)
+        return value not in ("0", "", "false")
     if not value:
         return default
     value = _convert(option.env, option.type, value)

@@ -1,6 +1,7 @@
-"""`pdserve options`: every option of the serving and offline commands as markdown tables
-(flag, its `PDSERVE_*` variable, the commands that take it, what it does and its default),
-read from the CLI's own parser, so that docs/options.md is generated, never kept by hand.
+"""`pdserve options`: every option of the serving, client and offline commands as markdown
+tables (flag, its `PDSERVE_*` variable, the commands that take it, what it does and its
+default), read from the CLI's own parser, so that docs/options.md is generated, never kept by
+hand.
 
 A flag has a variable when its group's title says so (`FROM_ENV`), as `--help` tells the
 user; tests/unit/test_options.py checks every title against what the parser really reads."""
@@ -13,8 +14,11 @@ from typing import Any
 
 from pdserve.services.engine_args import FROM_ENV
 
-# The commands the page covers, in its order (`complete` and `chat` are clients).
-COMMANDS = ("serve", "coordinator", "prefill", "decode", "colocated", "generate", "demo")
+# The commands the page covers, in its order: every command but `options` itself.
+COMMANDS = (
+    *("serve", "coordinator", "prefill", "decode", "colocated"),
+    *("complete", "chat", "generate", "demo"),
+)
 WORKERS = ("prefill", "decode", "colocated")
 
 HEADER = """\

@@ -24,33 +24,40 @@ from typing import Any
 
 import grpc
 
-from pdserve.services.engine_args import env
+from pdserve.common.config import Option
+from pdserve.services.engine_args import FROM_ENV, add_options
 
 DEFAULT_SERVER_NAME = "pdserve-internal"
 
+# Every service (`add_tls_args`).
+TLS_OPTIONS = (
+    Option("tls_cert", str, None, "this service's certificate (PEM)"),
+    Option("tls_key", str, None, "its private key (PEM)"),
+    Option(
+        "tls_ca",
+        str,
+        None,
+        "the CA bundle peers' certificates must chain to; with the three set, worker "
+        "ports take only callers with such a certificate",
+    ),
+    Option(
+        "tls_server_name",
+        str,
+        DEFAULT_SERVER_NAME,
+        "the name every internal certificate carries and peers check (default: %(default)s)",
+    ),
+    Option(
+        "health_port",
+        int,
+        -1,
+        "a plain gRPC port serving only grpc.health.v1, for probes that cannot present "
+        "a certificate; 0 picks a free one, -1 is off (default: %(default)s)",
+    ),
+)
+
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mTLS between services (each also read from PDSERVE_<NAME>)")
-    g.add_argument("--tls-cert", default=env("tls_cert"), help="this service's certificate (PEM)")
-    g.add_argument("--tls-key", default=env("tls_key"), help="its private key (PEM)")
-    g.add_argument(
-        "--tls-ca",
-        default=env("tls_ca"),
-        help="the CA bundle peers' certificates must chain to; with the three set, worker "
-        "ports take only callers with such a certificate",
-    )
-    g.add_argument(
-        "--tls-server-name",
-        default=env("tls_server_name", DEFAULT_SERVER_NAME),
-        help="the name every internal certificate carries and peers check (default: %(default)s)",
-    )
-    g.add_argument(
-        "--health-port",
-        type=int,
-        default=int(env("health_port", "-1") or -1),
-        help="a plain gRPC port serving only grpc.health.v1, for probes that cannot present "
-        "a certificate; 0 picks a free one, -1 is off (default: %(default)s)",
-    )
+    add_options(p.add_argument_group(f"mTLS between services ({FROM_ENV})"), TLS_OPTIONS)
 
 
 @dataclass(frozen=True)

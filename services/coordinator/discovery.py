@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from pdserve.common.config import Option
 from pdserve.common.retry import Backoff
-from pdserve.services.engine_args import env
+from pdserve.services.engine_args import FROM_ENV, add_options
 
 OnChange = Callable[[str, frozenset[str]], None]  # (role, the full current set of "host:port")
 ROLES = ("prefill", "decode", "colocated")
@@ -496,33 +497,45 @@ def pod_namespace(path: Path = SA_NAMESPACE_FILE) -> str | None:
 # --- flags ------------------------------------------------------------------------------------
 
 
-def add_discovery_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("worker discovery (each also read from PDSERVE_<NAME>)")
-    g.add_argument(
-        "--discovery",
-        default=env("discovery", "static"),
-        choices=["static", "kubernetes"],
-        help="static: the --*-workers lists; kubernetes: watch the EndpointSlices the "
+# Where the coordinator finds its workers (`add_discovery_args`).
+DISCOVERY_OPTIONS = (
+    Option(
+        "discovery",
+        str,
+        "static",
+        "static: the --*-workers lists; kubernetes: watch the EndpointSlices the "
         "--*-selector flags select (default: %(default)s)",
-    )
-    for role in ROLES:
-        g.add_argument(
-            f"--{role}-selector",
-            default=env(f"{role}_selector", ""),
-            help=f"label selector of the {role} workers' EndpointSlices, e.g. "
+        choices=("static", "kubernetes"),
+    ),
+    *(
+        Option(
+            f"{role}_selector",
+            str,
+            "",
+            f"label selector of the {role} workers' EndpointSlices, e.g. "
             f"kubernetes.io/service-name=llm-pdserve-{role}-headless",
         )
-    g.add_argument(
-        "--k8s-namespace",
-        default=env("k8s_namespace"),
-        help="namespace to watch (default: the pod's own, else the kubeconfig context's)",
-    )
-    g.add_argument(
-        "--k8s-port-name",
-        default=env("k8s_port_name", "grpc"),
-        help="the EndpointSlice port workers take gRPC calls on; an expert-parallel "
+        for role in ROLES
+    ),
+    Option(
+        "k8s_namespace",
+        str,
+        None,
+        "namespace to watch (default: the pod's own, else the kubeconfig context's)",
+    ),
+    Option(
+        "k8s_port_name",
+        str,
+        "grpc",
+        "the EndpointSlice port workers take gRPC calls on; an expert-parallel "
         "worker's rank r takes them on the port named NAME-ep<r> (default: %(default)s)",
-    )
+    ),
+)
+
+
+def add_discovery_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(f"worker discovery ({FROM_ENV})")
+    add_options(g, DISCOVERY_OPTIONS)
 
 
 def build_discovery(args: argparse.Namespace, static: dict[str, list[str]]) -> Discovery:

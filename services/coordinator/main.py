@@ -7,107 +7,138 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import sys
 from typing import TYPE_CHECKING
 
+from pdserve.common.config import Option
 from pdserve.services.coordinator.router import DEFAULT_POLICY, POLICIES, RouterWeights
+from pdserve.services.engine_args import FROM_ENV, add_options
+from pdserve.services.service_args import add_service_args
 
 if TYPE_CHECKING:
     import grpc
 
     from pdserve.services.auth import ApiKeys
     from pdserve.services.coordinator.discovery import Discovery
-from pdserve.services.engine_args import env, flag_env, int_env
-from pdserve.services.service_args import add_service_args
+
+# The worker pools and how requests are routed to them (`add_coordinator_args`).
+WORKERS_OPTIONS = (
+    Option("prefill_workers", str, "", "comma-separated host:port of prefill workers"),
+    Option("decode_workers", str, "", "comma-separated host:port of decode workers"),
+    Option(
+        "colocated_workers",
+        str,
+        "",
+        "comma-separated host:port of colocated workers (instead of the two pools)",
+    ),
+    Option(
+        "policy",
+        str,
+        DEFAULT_POLICY,
+        "how a worker is picked in a pool (default: %(default)s)",
+        choices=POLICIES,
+    ),
+    Option(
+        "prefix_weight",
+        float,
+        RouterWeights().prefix_weight,
+        "prefix_aware: cost of each prompt block a prefill worker must compute "
+        "(default: %(default)s)",
+    ),
+    Option(
+        "load_weight",
+        float,
+        RouterWeights().load_weight,
+        "prefix_aware: cost of each request queued on a prefill worker, in blocks "
+        "(default: %(default)s)",
+    ),
+    Option(
+        "no_kv_events",
+        bool,
+        False,
+        "prefix_aware: index prefixes from this coordinator's own decisions instead of "
+        "the workers' cache reports (approximate)",
+    ),
+    Option(
+        "local_prefill_tokens",
+        int,
+        0,
+        "skip the KV transfer when a decode worker caches all of a prompt but at most "
+        "this many tokens: it computes them itself (0: never; default: %(default)s)",
+    ),
+    Option(
+        "max_retries",
+        int,
+        2,
+        "times one request may move to another worker after losing one (default: %(default)s)",
+    ),
+    Option(
+        "model",
+        str,
+        None,
+        "model folder, for the tokenizer and context length (default: the "
+        "embedded SmolLM2-135M-Instruct)",
+    ),
+    Option("no_log_requests", bool, False, "no JSON line on stderr per finished request"),
+    Option("max_model_len", int, None, "longest prompt + output (default: the model's limit)"),
+    Option(
+        "max_inflight_requests",
+        int,
+        1024,
+        "requests in flight at once; more are refused with RESOURCE_EXHAUSTED / HTTP "
+        "429 (default: %(default)s)",
+    ),
+)
+
+# The OpenAI-compatible HTTP API and the public ports' door (`add_http_args`); the port's
+# default is each command's own.
+HTTP_OPTIONS = (
+    Option(
+        "http_port",
+        int,
+        None,
+        "port of /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; "
+        "0 picks a free one, -1 turns HTTP off (default: %(default)s)",
+    ),
+    Option(
+        "api_key",
+        str,
+        None,
+        "when set, HTTP /v1/* and gRPC GenerateService need 'authorization: Bearer "
+        "KEY' (prefer PDSERVE_API_KEY: a flag shows in the process list)",
+    ),
+    Option(
+        "api_key_file",
+        str,
+        None,
+        "file of accepted keys, one per line (read again when it changes: rotate by "
+        "adding the new key, moving clients, then removing the old one)",
+    ),
+    Option(
+        "public_tls_cert",
+        str,
+        None,
+        "server certificate (PEM) of the public gRPC and HTTP ports (no client "
+        "certificate is asked there: clients use the API key); default: plain",
+    ),
+    Option("public_tls_key", str, None, "its private key (PEM)"),
+    Option(
+        "served_model_name",
+        str,
+        None,
+        "comma-separated model ids clients may name; the first is the default "
+        "(default: the model folder's name)",
+    ),
+)
 
 
 def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     add_service_args(p, 50051)
-    g = p.add_argument_group("workers (each also read from PDSERVE_<NAME>)")
-    g.add_argument(
-        "--prefill-workers",
-        default=env("prefill_workers", ""),
-        help="comma-separated host:port of prefill workers",
-    )
-    g.add_argument(
-        "--decode-workers",
-        default=env("decode_workers", ""),
-        help="comma-separated host:port of decode workers",
-    )
-    g.add_argument(
-        "--colocated-workers",
-        default=env("colocated_workers", ""),
-        help="comma-separated host:port of colocated workers (instead of the two pools)",
-    )
-    g.add_argument(
-        "--policy",
-        default=env("policy", DEFAULT_POLICY),
-        choices=POLICIES,
-        help="how a worker is picked in a pool (default: %(default)s)",
-    )
-    defaults = RouterWeights()
-    g.add_argument(
-        "--prefix-weight",
-        type=float,
-        default=float(env("prefix_weight", str(defaults.prefix_weight))),
-        help="prefix_aware: cost of each prompt block a prefill worker must compute "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--load-weight",
-        type=float,
-        default=float(env("load_weight", str(defaults.load_weight))),
-        help="prefix_aware: cost of each request queued on a prefill worker, in blocks "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--no-kv-events",
-        action="store_true",
-        default=flag_env("no_kv_events"),
-        help="prefix_aware: index prefixes from this coordinator's own decisions instead of "
-        "the workers' cache reports (approximate)",
-    )
-    g.add_argument(
-        "--local-prefill-tokens",
-        type=int,
-        default=int_env("local_prefill_tokens") or 0,
-        help="skip the KV transfer when a decode worker caches all of a prompt but at most "
-        "this many tokens: it computes them itself (0: never; default: %(default)s)",
-    )
-    g.add_argument(
-        "--max-retries",
-        type=int,
-        default=int(env("max_retries", "2") or 2),
-        help="times one request may move to another worker after losing one (default: %(default)s)",
-    )
-    g.add_argument(
-        "--model",
-        default=env("model"),
-        help="model folder, for the tokenizer and context length (default: the "
-        "embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--no-log-requests",
-        action="store_true",
-        default=flag_env("no_log_requests"),
-        help="no JSON line on stderr per finished request",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=int_env("max_model_len"),
-        help="longest prompt + output (default: the model's limit)",
-    )
-    g.add_argument(
-        "--max-inflight-requests",
-        type=int,
-        default=int_env("max_inflight_requests") or 1024,
-        help="requests in flight at once; more are refused with RESOURCE_EXHAUSTED / HTTP "
-        "429 (default: %(default)s)",
-    )
+    add_options(p.add_argument_group(f"workers ({FROM_ENV})"), WORKERS_OPTIONS)
     from pdserve.services.coordinator.discovery import add_discovery_args
 
     add_discovery_args(p)
@@ -115,43 +146,13 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
-    """The OpenAI-compatible HTTP API's flags (on `coordinator` and `serve`)."""
-    g = p.add_argument_group("OpenAI-compatible HTTP API (each also read from PDSERVE_<NAME>)")
-    port = env("http_port", "" if default_port is None else str(default_port))
-    g.add_argument(
-        "--http-port",
-        type=int,
-        default=int(port) if port else None,
-        help="port of /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; "
-        "0 picks a free one, -1 turns HTTP off (default: "
-        + ("off" if default_port is None else str(default_port))
-        + ")",
-    )
-    g.add_argument(
-        "--api-key",
-        default=env("api_key"),
-        help="when set, HTTP /v1/* and gRPC GenerateService need 'authorization: Bearer "
-        "KEY' (prefer PDSERVE_API_KEY: a flag shows in the process list)",
-    )
-    g.add_argument(
-        "--api-key-file",
-        default=env("api_key_file"),
-        help="file of accepted keys, one per line (read again when it changes: rotate by "
-        "adding the new key, moving clients, then removing the old one)",
-    )
-    g.add_argument(
-        "--public-tls-cert",
-        default=env("public_tls_cert"),
-        help="server certificate (PEM) of the public gRPC and HTTP ports (no client "
-        "certificate is asked there: clients use the API key); default: plain",
-    )
-    g.add_argument("--public-tls-key", default=env("public_tls_key"), help="its private key (PEM)")
-    g.add_argument(
-        "--served-model-name",
-        default=env("served_model_name"),
-        help="comma-separated model ids clients may name; the first is the default "
-        "(default: the model folder's name)",
-    )
+    """The OpenAI-compatible HTTP API's flags (on `coordinator` and `serve`); HTTP is off
+    unless `default_port` or --http-port names a port."""
+    port, *rest = HTTP_OPTIONS
+    if default_port is None:
+        port = dataclasses.replace(port, help=port.help.replace("%(default)s", "off"))
+    g = p.add_argument_group(f"OpenAI-compatible HTTP API ({FROM_ENV})")
+    add_options(g, (port, *rest), http_port=default_port)
 
 
 def _log_requests() -> None:

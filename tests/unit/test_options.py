@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
 VALUE_SETS = [None, *sorted((ROOT / "tests" / "integration" / "helm_values").glob("*.yaml"))]
 HELM = Path(sys.executable).parent / "helm"
-CLIENTS = ("complete", "chat")
 # What downward-API fields stand for when a container's environment is parsed.
 FIELD_SAMPLES = {"status.podIP": "10.1.2.3", "metadata.name": "demo-pdserve-prefill-abc12"}
 NAME = re.compile(r"PDSERVE_[A-Z0-9_]*[A-Z0-9]")
@@ -116,12 +115,16 @@ def test_engine_options_from_flags_from_variables_and_back(monkeypatch) -> None:
         ("PDSERVE_BLOCK_SIZE", "big", "PDSERVE_BLOCK_SIZE must be an integer, got 'big'"),
         ("PDSERVE_KV_CACHE_GB", "2GB", "PDSERVE_KV_CACHE_GB must be a number, got '2GB'"),
         ("PDSERVE_DTYPE", "fp8", "PDSERVE_DTYPE must be one of auto, float32, bfloat16, float16"),
+        ("PDSERVE_POLICY", "fastest", "PDSERVE_POLICY must be one of prefix_aware, least_loaded"),
+        ("PDSERVE_PREFIX_WEIGHT", "high", "PDSERVE_PREFIX_WEIGHT must be a number, got 'high'"),
+        ("PDSERVE_HEALTH_PORT", "x", "PDSERVE_HEALTH_PORT must be an integer, got 'x'"),
+        ("PDSERVE_DISCOVERY", "dns", "PDSERVE_DISCOVERY must be one of static, kubernetes"),
     ],
 )
 def test_a_bad_variable_stops_the_command_naming_it(monkeypatch, variable, value, message):
     clean_env(monkeypatch, **{variable: value})
     with pytest.raises(SystemExit, match=re.escape(message)):
-        engine_parse()
+        build_parser()
 
 
 # --- the parser reads exactly the variables its groups claim -----------------------------------
@@ -196,8 +199,10 @@ def test_options_page_is_what_pdserve_options_prints(monkeypatch) -> None:
     clean_env(monkeypatch)
     page = (ROOT / "docs" / "options.md").read_text()
     assert page == markdown(build_parser()), "regenerate: pdserve options > docs/options.md"
-    # Every flag of every command the page covers is on it.
+    # The page covers every command (but `options` itself), clients included, and every
+    # flag of each.
     commands = parsers(monkeypatch)
+    assert set(commands) - {"options"} == set(COMMANDS)
     listed = set(claimed(build_parser()))
     for command in COMMANDS:
         for flag in flags(commands[command]):
@@ -206,11 +211,10 @@ def test_options_page_is_what_pdserve_options_prints(monkeypatch) -> None:
 
 
 def known_variables(monkeypatch) -> set[str]:
-    """Every PDSERVE_* variable pdserve reads: the options', the clients', and those the code
-    reads itself (os.environ)."""
+    """Every PDSERVE_* variable pdserve reads: the options' and those the code reads itself
+    (os.environ)."""
     clean_env(monkeypatch)
     names = {v for v in claimed(build_parser()).values() if v}
-    names |= {v for v in reads(monkeypatch, CLIENTS).values() if v}
     for folder in ("common", "services", "kernels"):
         for path in (ROOT / folder).rglob("*.py"):
             names |= set(NAME.findall(path.read_text()))
@@ -274,7 +278,7 @@ def render(values: Path | None = None, **sets: Any) -> list[dict]:
 
 def pdserve_containers(docs: list[dict]) -> list[dict]:
     """Containers that run a pdserve command (args[0])."""
-    commands = set(COMMANDS) | set(CLIENTS)
+    commands = set(COMMANDS)
     return [
         c
         for d in docs
