@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -37,6 +38,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.scheduler import Scheduler
 from pdserve.common.step_cost import StepCostModel, attention_pairs
 from pdserve.common.stop_checker import StopChecker
+from pdserve.common.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,17 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_batch_size = 0  # requests in the last step (0: nothing could be scheduled)
         self.prefill_seconds_per_token: float | None = None  # measured, see _time_prefill
+        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self) -> GrammarCompiler:
+        """This engine's compiler of structured-output constraints (any thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.runner.hf_config.vocab_size, sorted(self.eos_token_ids)
+                )
+            return self._grammars
 
     def _disk_tier(self, name: str, folder: str, gb: float, shared: bool = False) -> DiskTier:
         kv = self.runner.kv_cache
@@ -219,6 +232,8 @@ class LLMEngine:
             self.tokenizer, token_ids, params.skip_special_tokens
         )
         request.stop_checker = StopChecker(params, self.eos_token_ids)
+        if params.structured is not None:
+            request.constraint = self.grammars().matcher(params.structured)
         if resume is not None:
             self._resume(request, resume)
         return request
@@ -245,6 +260,8 @@ class LLMEngine:
         request.output_text = text[: resume.sent_chars]
         if request.generator is not None and not params.greedy:
             self._skip_draws(request.generator, n)
+        if request.constraint is not None:  # the lost leg's output, under its grammar
+            request.constraint.replay(prompt[-n:], "resumed.output_tokens")
 
     def _skip_draws(self, generator: torch.Generator, draws: int) -> None:
         """Advance a seeded generator past `draws` tokens' noise (one row of the vocabulary
@@ -276,6 +293,8 @@ class LLMEngine:
         if request.generator is not None and not request.sampling_params.greedy:
             # The first draw consumed one row of noise from the generator: consume it here.
             self._skip_draws(request.generator, 1)
+        if request.constraint is not None:  # the grammar state the prefill worker left
+            request.constraint.replay([first_token_id], "first_token_id")
         request.append_output_token(first_token_id)
         if self._process_token(request, first_token_id, in_scheduler=False).finished:
             raise InvalidRequestError(
@@ -344,6 +363,8 @@ class LLMEngine:
         now = time.monotonic()
         for s in sampled:
             request = s.request
+            if request.constraint is not None:
+                request.constraint.accept(s.token_id)
             request.append_output_token(s.token_id)
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
@@ -389,6 +410,9 @@ class LLMEngine:
         result = request.stop_checker.check(token_id, delta, flush=request.detokenizer.flush)
         request.output_text += result.text
         finished = result.finished
+        if not finished and request.constraint is not None and request.constraint.terminated:
+            finished = True  # the structure is complete (its grammar took the end token)
+            request.stop_checker.finish_reason = "stop"
         if not finished and request.num_tokens >= self.max_model_len:
             finished = True
             request.stop_checker.finish_reason = "length"

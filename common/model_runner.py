@@ -290,6 +290,7 @@ class ModelRunner:
             [r.sampling_params for r in sampling],
             [r.generator for r in sampling],
             [r.stop_checker.tokens_to_ban() if r.stop_checker else frozenset() for r in sampling],
+            [r.constraint for r in sampling],
         )
         return [
             SampledToken(r, t, lp)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pdserve.common.block_pool import KVCacheBlock
     from pdserve.common.detokenizer import IncrementalDetokenizer
     from pdserve.common.stop_checker import StopChecker
+    from pdserve.common.structured_output import Constraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -90,6 +91,8 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopChecker | None = None
+    # Its grammar state when its output is constrained (`structured_output.py`).
+    constraint: Constraint | None = None
     output_text: str = ""
     logprobs: list = field(default_factory=list)
     scheduled_time: float | None = None  # first admitted into a batch (monotonic)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured_output import Constraint, apply_bitmasks
 from pdserve.kernels import fused_ops
 
 
@@ -81,9 +82,11 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned: list[frozenset[int]] | None = None,
+        constraints: list[Constraint | None] | None = None,
     ) -> SamplerOutput:
         """``banned[i]``: token ids row i must not draw (a request under its min_tokens);
-        log-probabilities stay those of the unmodified logits."""
+        ``constraints[i]``: row i's grammar state, whose allowed tokens alone it may draw
+        (structured output). Log-probabilities stay those of the unmodified logits."""
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
             raise ValueError(
@@ -101,6 +104,8 @@ class Sampler:
             logits[torch.tensor(rows_l, device=device), torch.tensor(cols_l, device=device)] = (
                 float("-inf")
             )
+        if constraints is not None and any(c is not None for c in constraints):
+            logits = apply_bitmasks(logits.clone() if logits is raw else logits, constraints)
 
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if len(greedy) == n:  # the common case: no copy of the [n, vocab] logits

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -37,6 +38,8 @@ class SamplingParams:
     # sampled token's; None: none at all).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Hold the output to a JSON schema, regex, choice or grammar (`structured_output.py`).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +112,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
             )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured", "must be a StructuredOutput")
         return self
 
 

@@ -10,6 +10,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request import Resume
 from pdserve.common.sampler import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.v1 import generate_pb2
 
 _DEFAULTS = SamplingParams()
@@ -35,11 +36,49 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=sampling.ignore_eos,
         min_tokens=int(sampling.min_tokens),
         logprobs=int(sampling.logprobs) if sampling.HasField("logprobs") else None,
+        structured=structured_from_proto(sampling),
     )
     try:
         return params.validate()
     except InvalidRequestError as e:
         raise InvalidRequestError(f"sampling.{e.field}", e.message) from None
+
+
+def structured_from_proto(sampling: generate_pb2.SamplingParams) -> StructuredOutput | None:
+    """The constraint of `sampling.structured_output`, unchecked (a worker compiles it, which
+    checks it; an unset `oneof` is refused naming the field)."""
+    if not sampling.HasField("structured_output"):
+        return None
+    s = sampling.structured_output
+    kind = s.WhichOneof("constraint")
+    field = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise InvalidRequestError(
+            "sampling.structured_output", "set one of json_schema, json_object, regex, choice, "
+            "grammar"
+        )  # fmt: skip
+    if kind == "json_schema":
+        return StructuredOutput("json", s.json_schema, strict=s.strict, field=field)
+    if kind == "json_object":
+        return StructuredOutput("json_object", field=field)
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(s.choice.choices), field=field)
+    return StructuredOutput(kind, getattr(s, kind), field=field)
+
+
+def structured_to_proto(c: StructuredOutput) -> generate_pb2.StructuredOutput:
+    proto = generate_pb2.StructuredOutput(strict=c.strict)
+    if c.kind == "json":
+        proto.json_schema = c.spec
+    elif c.kind == "json_object":
+        proto.json_object = True
+    elif c.kind == "choice":
+        proto.choice.choices.extend(c.choices)
+    elif c.kind == "regex":
+        proto.regex = c.spec
+    else:
+        proto.grammar = c.spec
+    return proto
 
 
 def worker_request(
@@ -78,6 +117,8 @@ def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.seed = params.seed
     if params.logprobs is not None:
         proto.logprobs = params.logprobs
+    if params.structured is not None:
+        proto.structured_output.CopyFrom(structured_to_proto(params.structured))
     return proto
 
 

@@ -102,6 +102,14 @@ class EngineLoop:
             self._wake.notify()
         return future
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile a structured-output constraint in a worker thread (once per distinct
+        constraint: the engine thread then finds it compiled). Raises
+        `InvalidRequestError` naming the field when it cannot be compiled."""
+        if params.structured is not None:
+            engine = self.engine
+            await asyncio.to_thread(lambda: engine.grammars().compile(params.structured))
+
     async def add(
         self,
         prompt: Prompt,
@@ -114,6 +122,7 @@ class EngineLoop:
         cancelled meanwhile, the request is dropped once the engine has it. Raises
         `WorkerBusyError` when `max_pending` requests already wait, or when its first token
         would miss `ttft_target_s`."""
+        await self.compile_constraint(params)
         waiting = len(self.engine.scheduler.waiting) + self._adding
         if self.max_pending and waiting >= self.max_pending:
             raise WorkerBusyError(

@@ -124,6 +124,8 @@ class Frontend:
         else:
             prompt = list(request.token_ids)
         params = params_from_proto(request.sampling)
+        if params.structured is not None:  # parsed here; the workers compile it
+            params.structured.check()
         self.check_size(request)
         try:
             token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)

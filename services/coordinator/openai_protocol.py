@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API's requests: the fields of `/v1/chat/completions` and
 `/v1/completions` as the OpenAI API defines them, plus the extensions vLLM accepts (`top_k`,
-`ignore_eos`, `min_tokens`, `stop_token_ids`), turned into the `GenerateRequest`s of the
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `structured_outputs` and the `guided_*`
+constraints: `structured_request.py`), turned into the `GenerateRequest`s of the
 coordinator's request path (one per choice). Types are checked here; ranges are checked by
 the same code as the gRPC API's, so both refuse a bad value with the same words.
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import MAX_LOGPROBS
+from pdserve.services.coordinator.structured_request import structured_output
 from pdserve.v1 import generate_pb2
 
 MAX_CHOICES = 16  # n x prompts per request
@@ -79,6 +81,13 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     request_id: str | None = None
+    # Structured output: OpenAI's, vLLM's, and vLLM's older names (`structured_request.py`).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -129,6 +138,14 @@ class _SamplingFields(BaseModel):
         if any(not 0 <= t <= UINT32_MAX for t in self.stop_token_ids or ()):
             raise InvalidRequestError("stop_token_ids", f"must be token ids in [0, {UINT32_MAX}]")
         sampling.stop_token_ids.extend(self.stop_token_ids or ())
+        constraint = structured_output(
+            self.response_format,
+            self.structured_outputs,
+            {name: getattr(self, name) for name in
+             ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+        )  # fmt: skip
+        if constraint is not None:
+            sampling.structured_output.CopyFrom(constraint)
         return sampling
 
     @property
@@ -164,14 +181,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
         self._refuse_unsupported()
         if self.tools:
             raise InvalidRequestError("tools", "tool calling is not supported by this server")
-        if self.response_format not in (None, {"type": "text"}):
-            raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs", "needs logprobs: true")

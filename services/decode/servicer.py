@@ -116,6 +116,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             receiver.check(handle, len(request.prompt_token_ids))
             first = request.first_token_id
             resume = resume_from_proto(request)
+            await loop.compile_constraint(params)
             queue = loop.open_stream(rid)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
