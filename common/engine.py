@@ -232,11 +232,31 @@ class LLMEngine:
             self.tokenizer, token_ids, params.skip_special_tokens
         )
         request.stop_checker = StopChecker(params, self.eos_token_ids)
+        self._check_token_ids(params)
+        request.bad_word_ids = self._bad_word_ids(params.bad_words)
         if params.structured is not None:
             request.constraint = self.grammars().matcher(params.structured)
         if resume is not None:
             self._resume(request, resume)
         return request
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.runner.hf_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids",
+                          params.allowed_token_ids)):  # fmt: skip
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(name, f"token ids must be in [0, {vocab}), got {bad}")
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, alone and after a space (as vLLM tokenizes them)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _resume(self, request: Request, resume: Resume) -> None:
         """Bring a resumed request's output state to where its lost leg left it."""
@@ -247,6 +267,7 @@ class LLMEngine:
                 "resumed.output_tokens", f"must be in [1, {len(prompt)}), got {n}"
             )
         params = request.sampling_params
+        request.num_resumed_tokens = n
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt[:-n], params.skip_special_tokens
         )

@@ -23,6 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 from pdserve.common.config import EngineConfig
 from pdserve.common.decode_graphs import DecodeGraphs
 from pdserve.common.errors import ModelLoadError
+from pdserve.common.logits_processors import bad_word_bans, wants_penalties
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.expert_balance import ExpertBalancer
 from pdserve.common.models.expert_parallel import ExpertShard
@@ -289,9 +290,11 @@ class ModelRunner:
             logits,
             [r.sampling_params for r in sampling],
             [r.generator for r in sampling],
-            [r.stop_checker.tokens_to_ban() if r.stop_checker else frozenset() for r in sampling],
+            [_bans(r) for r in sampling],
             [r.constraint for r in sampling],
-        )
+            [r.penalty_history() if wants_penalties(r.sampling_params) else None
+             for r in sampling],
+        )  # fmt: skip
         return [
             SampledToken(r, t, lp)
             for r, t, lp in zip(sampling, out.token_ids, out.logprobs, strict=True)
@@ -369,3 +372,12 @@ class ModelRunner:
         for i, r in enumerate(requests):
             table[i, : len(r.blocks)] = r.block_ids
         return torch.from_numpy(table).to(self.device)
+
+
+def _bans(request: Request) -> frozenset[int]:
+    """The tokens a request may not draw this step: stop tokens under its min_tokens, and
+    the last token of a bad word whose other tokens its output ends with."""
+    banned = request.stop_checker.tokens_to_ban() if request.stop_checker else frozenset()
+    if request.bad_word_ids:
+        banned = banned | bad_word_bans(request.output_token_ids, request.bad_word_ids)
+    return banned

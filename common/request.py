@@ -63,6 +63,15 @@ class Resume:
     sent_chars: int
 
 
+@dataclass(frozen=True)
+class PenaltyHistory:
+    """The token ids a request's penalties count (`logits_processors.py`): its prompt (the
+    client's, without a lost leg's output) and everything it has generated."""
+
+    prompt: list[int]
+    output: list[int]
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -93,6 +102,10 @@ class Request:
     stop_checker: StopChecker | None = None
     # Its grammar state when its output is constrained (`structured_output.py`).
     constraint: Constraint | None = None
+    # Its `bad_words` as token sequences (each with and without a leading space).
+    bad_word_ids: list[list[int]] = field(default_factory=list)
+    # The prompt's last tokens that a lost leg generated (a resumed request's output).
+    num_resumed_tokens: int = 0
     output_text: str = ""
     logprobs: list = field(default_factory=list)
     scheduled_time: float | None = None  # first admitted into a batch (monotonic)
@@ -101,6 +114,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    def penalty_history(self) -> PenaltyHistory:
+        """What its penalties count: the client's prompt, and all the output so far."""
+        cut = len(self.prompt_token_ids) - self.num_resumed_tokens
+        return PenaltyHistory(
+            self.prompt_token_ids[:cut], self.prompt_token_ids[cut:] + self.output_token_ids
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

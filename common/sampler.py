@@ -17,6 +17,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pdserve.common.logits_processors import (
+    apply_allowed_tokens,
+    apply_logit_bias,
+    apply_min_p,
+    apply_penalties,
+)
+from pdserve.common.request import PenaltyHistory
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.structured_output import Constraint, apply_bitmasks
 from pdserve.kernels import fused_ops
@@ -83,10 +90,12 @@ class Sampler:
         generators: list[torch.Generator | None],
         banned: list[frozenset[int]] | None = None,
         constraints: list[Constraint | None] | None = None,
+        histories: list[PenaltyHistory | None] | None = None,
     ) -> SamplerOutput:
-        """``banned[i]``: token ids row i must not draw (a request under its min_tokens);
-        ``constraints[i]``: row i's grammar state, whose allowed tokens alone it may draw
-        (structured output). Log-probabilities stay those of the unmodified logits."""
+        """``banned[i]``: token ids row i must not draw (a request under its min_tokens, a
+        bad word's last token); ``constraints[i]``: row i's grammar state, whose allowed
+        tokens alone it may draw (structured output); ``histories[i]``: what row i's
+        penalties count. Log-probabilities stay those of the unmodified logits."""
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
             raise ValueError(
@@ -97,15 +106,7 @@ class Sampler:
         raw = logits = logits.float()
         device = logits.device
         tokens = torch.empty(n, dtype=torch.long, device=device)
-        if banned is not None and any(banned):
-            cols_l = [t for b in banned for t in b if t < logits.shape[1]]
-            rows_l = [i for i, b in enumerate(banned) for t in b if t < logits.shape[1]]
-            logits = logits.clone()
-            logits[torch.tensor(rows_l, device=device), torch.tensor(cols_l, device=device)] = (
-                float("-inf")
-            )
-        if constraints is not None and any(c is not None for c in constraints):
-            logits = apply_bitmasks(logits.clone() if logits is raw else logits, constraints)
+        logits = self._adjust(raw, params, banned, constraints, histories)
 
         greedy = [i for i, sp in enumerate(params) if sp.greedy]
         if len(greedy) == n:  # the common case: no copy of the [n, vocab] logits
@@ -120,7 +121,10 @@ class Sampler:
             temps = torch.tensor([params[i].temperature for i in rand], device=device)
             top_k = torch.tensor([params[i].top_k for i in rand], device=device)
             top_p = torch.tensor([params[i].top_p for i in rand], device=device)
+            min_p = torch.tensor([params[i].min_p for i in rand], device=device)
             scaled = logits[rows] / temps.unsqueeze(1)
+            if bool((min_p > 0).any()):  # vLLM's order: temperature, min_p, top-k/top-p
+                scaled = apply_min_p(scaled.softmax(dim=-1), min_p).log()
             probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
             shared = [j for j, i in enumerate(rand) if generators[i] is None]
             if shared:
@@ -132,6 +136,43 @@ class Sampler:
 
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw, params, tokens, token_ids))
+
+    @staticmethod
+    def _adjust(
+        raw: Tensor,
+        params: list[SamplingParams],
+        banned: list[frozenset[int]] | None,
+        constraints: list[Constraint | None] | None,
+        histories: list[PenaltyHistory | None] | None,
+    ) -> Tensor:
+        """The logits the rows draw from: `raw` itself when nothing adjusts them, else a copy
+        with logit_bias and allowed_token_ids, the banned tokens, the penalties and then the
+        grammar masks applied (`logits_processors.py`, `structured_output.py`)."""
+        bias = any(p.logit_bias or p.allowed_token_ids for p in params)
+        ban = banned is not None and any(banned)
+        penalise = histories is not None and any(h is not None for h in histories)
+        constrain = constraints is not None and any(c is not None for c in constraints)
+        if not (bias or ban or penalise or constrain):
+            return raw
+        logits = raw.clone()
+        if bias:
+            apply_logit_bias(logits, params)
+            apply_allowed_tokens(logits, params)
+        if ban:
+            assert banned is not None
+            vocab = logits.shape[1]
+            cols = [t for b in banned for t in b if t < vocab]
+            rows = [i for i, b in enumerate(banned) for t in b if t < vocab]
+            index = (torch.tensor(rows, dtype=torch.long, device=logits.device),
+                     torch.tensor(cols, dtype=torch.long, device=logits.device))  # fmt: skip
+            logits[index] = float("-inf")
+        if penalise:
+            assert histories is not None
+            apply_penalties(logits, params, histories)
+        if constrain:
+            assert constraints is not None
+            apply_bitmasks(logits, constraints)
+        return logits
 
     @staticmethod
     def _logprobs(

@@ -20,6 +20,9 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**64 - 1
 GREEDY_BELOW = 1e-5
+MAX_LOGIT_BIAS = 300  # tokens per request (OpenAI's limit)
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 @dataclass
@@ -40,6 +43,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Hold the output to a JSON schema, regex, choice or grammar (`structured_output.py`).
     structured: StructuredOutput | None = None
+    # The logit adjustments of `logits_processors.py`, each neutral by default.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -114,7 +125,41 @@ class SamplingParams:
             )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequestError("structured", "must be a StructuredOutput")
+        self._validate_adjustments()
         return self
+
+    def _validate_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0.0 < r <= 2.0:
+            raise InvalidRequestError("repetition_penalty", f"must be in (0, 2], got {r!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids, got {token!r}")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"logit_bias[{token}]", f"must be in [-100, 100], got {bias!r}"
+                )
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(
+            isinstance(w, str) and w for w in self.bad_words
+        ):
+            raise InvalidRequestError(
+                "bad_words", f"must be at most {MAX_BAD_WORDS} non-empty strings"
+            )
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            for t in self.allowed_token_ids
+        ):
+            raise InvalidRequestError("allowed_token_ids", "must be a list of token ids >= 0")
 
 
 def _is_number(x: object) -> bool:

@@ -19,12 +19,12 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from pdserve.common.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch and xgrammar load where constraints run (workers), not on import
+    from torch import Tensor
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar; larger ones are refused
@@ -207,6 +207,7 @@ def apply_bitmasks(logits: Tensor, constraints: Sequence[Constraint | None]) -> 
 
 def constraint_mask_row(constraint: Constraint, vocab: int) -> Tensor:
     """The allowed tokens of one matcher as a bool row (tests' reference)."""
+    import torch
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(1, vocab)

@@ -37,6 +37,13 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         min_tokens=int(sampling.min_tokens),
         logprobs=int(sampling.logprobs) if sampling.HasField("logprobs") else None,
         structured=structured_from_proto(sampling),
+        presence_penalty=float(get("presence_penalty")),  # type: ignore[arg-type]
+        frequency_penalty=float(get("frequency_penalty")),  # type: ignore[arg-type]
+        repetition_penalty=float(get("repetition_penalty")),  # type: ignore[arg-type]
+        logit_bias={int(k): float(v) for k, v in sampling.logit_bias.items()},
+        min_p=float(get("min_p")),  # type: ignore[arg-type]
+        bad_words=list(sampling.bad_words),
+        allowed_token_ids=list(sampling.allowed_token_ids),
     )
     try:
         return params.validate()
@@ -119,6 +126,12 @@ def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.logprobs = params.logprobs
     if params.structured is not None:
         proto.structured_output.CopyFrom(structured_to_proto(params.structured))
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if getattr(params, name) != getattr(_DEFAULTS, name):
+            setattr(proto, name, getattr(params, name))
+    proto.logit_bias.update(params.logit_bias)
+    proto.bad_words.extend(params.bad_words)
+    proto.allowed_token_ids.extend(params.allowed_token_ids)
     return proto
 
 

@@ -126,6 +126,13 @@ class Frontend:
         params = params_from_proto(request.sampling)
         if params.structured is not None:  # parsed here; the workers compile it
             params.structured.check()
+        for name, ids in (("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids)):  # fmt: skip
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"sampling.{name}", f"token ids must be in [0, {self.vocab_size}), got {bad}"
+                )
         self.check_size(request)
         try:
             token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)

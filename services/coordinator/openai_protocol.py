@@ -6,8 +6,8 @@ coordinator's request path (one per choice). Types are checked here; ranges are 
 the same code as the gRPC API's, so both refuse a bad value with the same words.
 
 Choices we made where the API leaves room: unknown fields are ignored (as OpenAI's own
-server does); fields we do not implement (tools, penalties, logit_bias, echo, best_of,
-suffix) are refused when set to anything but their neutral value, naming the field; `n`
+server does); fields we do not implement (tools, echo, best_of, suffix) are refused when
+set to anything but their neutral value, naming the field; `n`
 choices run as n requests, and with a `seed` choice i uses `seed + i`. Every number is
 checked against its protobuf field's range and every string for UTF-8 before the message is
 filled, so no value a client can send makes filling it fail."""
@@ -88,22 +88,16 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Accepted only at their neutral values.
+    # The rest of the sampler (`common/logits_processors.py`): OpenAI's and vLLM's.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def _refuse_unsupported(self) -> None:
-        neutral = {
-            "frequency_penalty": (None, 0.0),
-            "presence_penalty": (None, 0.0),
-            "repetition_penalty": (None, 1.0),
-            "logit_bias": (None, {}),
-        }
-        for name, allowed in neutral.items():
-            if getattr(self, name) not in allowed:
-                raise InvalidRequestError(name, "is not supported by this server")
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError("n", f"must be between 1 and {MAX_CHOICES}, got {self.n}")
 
@@ -146,7 +140,29 @@ class _SamplingFields(BaseModel):
         )  # fmt: skip
         if constraint is not None:
             sampling.structured_output.CopyFrom(constraint)
+        self._adjustments(sampling)
         return sampling
+
+    def _adjustments(self, sampling: generate_pb2.SamplingParams) -> None:
+        """Penalties, logit_bias, min_p, bad_words and allowed_token_ids onto the message
+        (their ranges are checked with the gRPC API's)."""
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if value is not None:
+                setattr(sampling, name, value)
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) > UINT32_MAX:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}")
+            _finite(f"logit_bias[{key}]", bias)
+            sampling.logit_bias[int(key)] = bias
+        for i, word in enumerate(self.bad_words or ()):
+            sampling.bad_words.append(_utf8(f"bad_words[{i}]", word))
+        if any(not 0 <= t <= UINT32_MAX for t in self.allowed_token_ids or ()):
+            raise InvalidRequestError(
+                "allowed_token_ids", f"must be token ids in [0, {UINT32_MAX}]"
+            )
+        sampling.allowed_token_ids.extend(self.allowed_token_ids or ())
 
     @property
     def include_usage(self) -> bool:

@@ -202,7 +202,9 @@ def test_bad_fields_get_400_naming_them(http_address):
         ({"messages": ask(), "top_p": 0}, "top_p"),
         ({"messages": ask(), "max_tokens": 0}, "max_tokens"),
         ({"messages": ask(), "n": 100}, "n"),
-        ({"messages": ask(), "presence_penalty": 1.0}, "presence_penalty"),
+        ({"messages": ask(), "presence_penalty": 3.0}, "presence_penalty"),
+        ({"messages": ask(), "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": ask(), "logit_bias": {"999999": 5}}, "logit_bias"),
         ({"messages": "hello"}, "messages"),
         ({"max_tokens": 5}, "messages"),
     ]
@@ -352,3 +354,22 @@ def test_disconnect_cancels_on_the_workers(cluster, http_address):
     conn.close()
     assert wait_idle(cluster, free) == free
     assert decode.metric("pdserve_num_requests_running") == 0
+
+
+def test_logit_bias_and_penalties_change_the_choice(client, model, default_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    yes = tokenizer.encode(" yes", add_special_tokens=False)[0]
+    forced = client.completions.create(
+        model=model, prompt="Hello", max_tokens=5, temperature=0, logit_bias={str(yes): 100}
+    )
+    assert forced.choices[0].text == tokenizer.decode([yes] * 5)
+    ask_twice = {"model": model, "prompt": "List some fruits:", "max_tokens": 24,
+                 "temperature": 0}  # fmt: skip
+    plain = client.completions.create(**ask_twice).choices[0].text
+    penalised = client.completions.create(**ask_twice, frequency_penalty=2.0).choices[0].text
+    banned = client.completions.create(
+        **ask_twice, extra_body={"bad_words": [plain.split()[0]]}
+    ).choices[0].text  # fmt: skip
+    assert penalised != plain and plain.split()[0] not in banned.split()[:1]

@@ -73,8 +73,10 @@ def test_completion_prompts_are_prompt_major() -> None:
     [
         (lambda: chat(n=0), "n"),
         (lambda: chat(n=17), "n"),
-        (lambda: chat(frequency_penalty=0.5), "frequency_penalty"),
-        (lambda: chat(logit_bias={"5": 1.0}), "logit_bias"),
+        (lambda: chat(frequency_penalty=float("inf")), "frequency_penalty"),
+        (lambda: chat(logit_bias={"five": 1.0}), "logit_bias"),
+        (lambda: chat(logit_bias={"5": float("nan")}), "logit_bias[5]"),
+        (lambda: chat(allowed_token_ids=[-1]), "allowed_token_ids"),
         (lambda: chat(tools=[{"type": "function"}]), "tools"),
         (lambda: chat(top_logprobs=2), "top_logprobs"),
         (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),
