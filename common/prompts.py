@@ -5,15 +5,65 @@ allows, so the coordinator can refuse an over-long prompt before any worker sees
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdserve.common.errors import InvalidRequestError
 
 # A prompt: text, chat messages ([{"role": ..., "content": ...}]), or token ids.
-Prompt = str | list[dict[str, str]] | list[int]
+Prompt = str | list[dict[str, Any]] | list[int]
+
+# Tools shown to a model whose chat template has no place for them (Hermes' format, which
+# Qwen and many fine-tunes read): in the system turn, calls as <tool_call> blocks.
+TOOLS_SYSTEM = (
+    "You may call one or more functions to assist with the user query. The functions are "
+    "described in JSON within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
+    "function call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
 
 
-def tokenize_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the model's chat template renders `tools` (and assistant tool calls)."""
+    return "tools" in str(getattr(tokenizer, "chat_template", None) or "")
+
+
+def with_tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list:
+    """Messages for a template without tool support: the tools in the system turn, calls
+    and results as Hermes' <tool_call> / <tool_response> text."""
+    rendered = []
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        block = TOOLS_SYSTEM.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            rendered.append({"role": "system", "content": messages[0]["content"] + "\n\n" + block})
+            messages = messages[1:]
+        else:
+            rendered.append({"role": "system", "content": block})
+    for m in messages:
+        if m["role"] == "tool":
+            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            rendered.append({"role": "user", "content": text})
+        elif m.get("tool_calls"):
+            calls = [
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                              "arguments": c["function"]["arguments"]},
+                                             ensure_ascii=False) + "\n</tool_call>"
+                for c in m["tool_calls"]
+            ]  # fmt: skip
+            content = "\n".join(filter(None, [m.get("content") or "", *calls]))
+            rendered.append({"role": m["role"], "content": content})
+        else:
+            rendered.append({"role": m["role"], "content": m["content"]})
+    return rendered
+
+
+def tokenize_prompt(
+    tokenizer: Any, prompt: Prompt, vocab_size: int, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """`tools` (chat messages only): OpenAI-shaped function tools for the chat template,
+    or rendered into the messages where the template has no place for them."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -31,8 +81,15 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int
         for i, m in enumerate(prompt):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
                 raise InvalidRequestError(f"messages[{i}]", "must have string 'role' and 'content'")
+        messages: list[dict[str, Any]] = prompt  # type: ignore[assignment]
+        extra: dict[str, Any] = {}
+        uses_tools = bool(tools) or any(m.get("tool_calls") for m in messages)
+        if uses_tools and template_takes_tools(tokenizer):
+            extra["tools"] = tools or None
+        elif uses_tools or any(m["role"] == "tool" for m in messages):
+            messages = with_tools_in_text(messages, tools or [])
         ids = tokenizer.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
         )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     raise InvalidRequestError("prompt", "a list prompt must be all token ids or all messages")

@@ -7,6 +7,7 @@ field and the limit."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ class Frontend:
                         f"messages[{i}].role",
                         f"must be one of {', '.join(CHAT_ROLES)}, got {shown!r}",
                     )
-            prompt = [{"role": m.role, "content": m.content} for m in request.messages]
+            prompt = [_message(i, m) for i, m in enumerate(request.messages)]
         else:
             prompt = list(request.token_ids)
         params = params_from_proto(request.sampling)
@@ -135,7 +136,8 @@ class Frontend:
                 )
         self.check_size(request)
         try:
-            token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+            token_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size,
+                                        _tools(request.tools))  # fmt: skip
         except TemplateError as e:
             raise InvalidRequestError(
                 "messages", f"the model's chat template refused them: {e}"
@@ -150,6 +152,45 @@ class Frontend:
             params.max_tokens = self.max_model_len - len(token_ids)
             params.validate()
         return ParsedRequest(request.request_id or f"pd-{uuid.uuid4().hex}", token_ids, params)
+
+
+def _message(index: int, m: generate_pb2.ChatMessage) -> dict[str, Any]:
+    """A chat turn as chat templates take it: tool calls with their arguments as objects."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            field = f"messages[{index}].tool_calls[{j}].function.arguments"
+            function = {"name": call.name, "arguments": _json_object(call.arguments, field)}
+            calls.append({"id": call.id, "type": "function", "function": function})
+        message["tool_calls"] = calls
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tools, OpenAI-shaped, for the chat template."""
+    if not tools:
+        return None
+    return [
+        {"type": "function", "function": {
+            "name": t.name, "description": t.description,
+            "parameters": _json_object(t.parameters, f"tools[{i}].function.parameters")
+            if t.parameters else {"type": "object", "properties": {}},
+        }}
+        for i, t in enumerate(tools)
+    ]  # fmt: skip
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError as e:
+        raise InvalidRequestError(field, f"is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(field, "must be a JSON object")
+    return value
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> generate_pb2.Usage:

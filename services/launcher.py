@@ -177,6 +177,8 @@ def _run_serve(
                     if args.served_model_name
                     else []
                 ),
+                "--tool-call-parser",
+                args.tool_call_parser,
             ],
             env={**tls_env, **coordinator_env},
         )

@@ -1,10 +1,10 @@
 """The coordinator's OpenAI-compatible HTTP front (FastAPI on uvicorn, in the same process
 and event loop as its gRPC server): `/v1/chat/completions`, `/v1/completions`,
-`/v1/models` (and `/v1/models/{model}`), `/health`, `/metrics`. Each choice of a request
-goes through the same request path as a gRPC call (`request_path.Coordinator`); tokens
-stream as server-sent events, the first as soon as prefill returns it. A client that
-disconnects cancels its requests on the workers. Every error has OpenAI's shape and a
-status saying whose fault it is."""
+`/v1/responses` (`responses_api.py`), `/v1/models` (and `/v1/models/{model}`), `/health`,
+`/metrics`. Each choice of a request goes through the same request path as a gRPC call
+(`request_path.Coordinator`); tokens stream as server-sent events, the first as soon as
+prefill returns it. A client that disconnects cancels its requests on the workers. Every
+error has OpenAI's shape and a status saying whose fault it is."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ from pdserve.services.coordinator.openai_responses import (
     sse,
 )
 from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
+from pdserve.services.coordinator.responses_api import (
+    ResponseObjects,
+    ResponsesRequest,
+    client_words,
+)
+from pdserve.services.coordinator.tool_calls import DEFAULT_PARSER
 from pdserve.v1 import generate_pb2
 
 logger = logging.getLogger(__name__)
@@ -161,10 +167,12 @@ class OpenAIServer:
         max_model_len: int,
         api_keys: ApiKeys | None = None,
         max_body_bytes: int = 8 * 1024 * 1024,
+        tool_call_parser: str = DEFAULT_PARSER,
     ) -> None:
         if not served_models:
             raise ValueError("served_models: give at least one model id")
         self.coordinator = coordinator
+        self.tool_call_parser = tool_call_parser  # how chat output is read for tool calls
         self.texts = TokenTexts(tokenizer)
         self.served_models = served_models
         self.max_model_len = max_model_len
@@ -233,6 +241,10 @@ class OpenAIServer:
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._complete(body, request, chat=False)
 
+        @app.post("/v1/responses", operation_id="create_response")
+        async def responses(body: ResponsesRequest, request: Request) -> Response:
+            return await self._respond(body, request)
+
         return app
 
     def _model_card(self, model: str) -> dict[str, Any]:
@@ -251,11 +263,10 @@ class OpenAIServer:
         ):
             raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
 
-    async def _complete(
-        self, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool
-    ) -> Response:
+    def _model(self, request: Request, model: str | None) -> str:
+        """The served model a request names (authorized first)."""
         self._authorize(request)
-        model = body.model or self.served_models[0]
+        model = model or self.served_models[0]
         if model not in self.served_models:
             raise ApiError(
                 404,
@@ -263,17 +274,32 @@ class OpenAIServer:
                 "model",
                 "model_not_found",
             )
+        return model
+
+    def _request_id(self, request: Request, given: str | None) -> str:
+        request_id = given or request.headers.get("x-request-id") or uuid.uuid4().hex
+        if not REQUEST_ID.fullmatch(request_id):
+            param = "request_id" if given else "x-request-id"
+            raise ApiError(400, f"{param}: 1 to 256 printable ASCII characters", param)
+        return request_id
+
+    async def _complete(
+        self, body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool
+    ) -> Response:
+        model = self._model(request, body.model)
+        tools = None
         try:
-            requests = body.to_generate_requests()
+            if isinstance(body, ChatCompletionRequest):
+                tools = body.tool_plan(self.tool_call_parser)
+                requests = body.to_generate_requests(tools)
+            else:
+                requests = body.to_generate_requests()
         except InvalidRequestError as e:
             raise api_error(e) from None
-        request_id = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-        if not REQUEST_ID.fullmatch(request_id):
-            param = "request_id" if body.request_id else "x-request-id"
-            raise ApiError(400, f"{param}: 1 to 256 printable ASCII characters", param)
+        request_id = self._request_id(request, body.request_id)
         for k, r in enumerate(requests):
             r.request_id = request_id if len(requests) == 1 else f"{request_id}-{k}"
-        fmt = CompletionFormat(chat, request_id, model, self.texts)
+        fmt = CompletionFormat(chat, request_id, model, self.texts, tools)
         want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         headers = {"X-Request-Id": request_id}
         stream = merge(
@@ -298,6 +324,32 @@ class OpenAIServer:
             await stream.aclose()
             raise api_error(e) from None
         events = self._events(first, stream, fmt, body, want_logprobs, len(requests))
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    async def _respond(self, body: ResponsesRequest, request: Request) -> Response:
+        """`/v1/responses` (`responses_api.py`): one request, on the path a chat takes."""
+        model = self._model(request, body.model)
+        try:
+            generate = body.to_generate_request()
+        except InvalidRequestError as e:
+            raise responses_error(e) from None
+        generate.request_id = self._request_id(request, None)
+        objects = ResponseObjects(body, generate.request_id, model)
+        headers = {"X-Request-Id": generate.request_id}
+        stream = self.coordinator.generate(generate, request.headers.items(), fill_context=True)
+        if not body.stream:
+            choice = Choice(0)
+            try:
+                await until_disconnect(request, collect(merge([stream]), [choice]))
+            except RequestFailed as e:
+                raise responses_error(e) from None
+            return JSONResponse(objects.final(choice), headers=headers)
+        try:  # the first token first, so a refusal gets its own status (as in _complete)
+            first = await until_disconnect(request, anext(stream))
+        except RequestFailed as e:
+            await stream.aclose()  # type: ignore[attr-defined]
+            raise responses_error(e) from None
+        events = objects.events(first, stream, lambda e: responses_error(e).body()["error"])
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _events(
@@ -335,6 +387,13 @@ async def _prepend(item: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield item
     async for x in rest:
         yield x
+
+
+def responses_error(e: RequestFailed | InvalidRequestError) -> ApiError:
+    """`api_error` in `/v1/responses`' words (`max_output_tokens`, `input`)."""
+    error = api_error(e)
+    error.param, error.message = client_words(error.param, error.message)
+    return error
 
 
 def record(choice: Choice, response: generate_pb2.GenerateResponse) -> None:

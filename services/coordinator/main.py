@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.common.config import Option
 from pdserve.services.coordinator.router import DEFAULT_POLICY, POLICIES, RouterWeights
+from pdserve.services.coordinator.tool_calls import DEFAULT_PARSER, PARSERS
 from pdserve.services.engine_args import FROM_ENV, add_options
 from pdserve.services.service_args import add_service_args
 
@@ -132,6 +133,14 @@ HTTP_OPTIONS = (
         None,
         "comma-separated model ids clients may name; the first is the default "
         "(default: the model folder's name)",
+    ),
+    Option(
+        "tool_call_parser",
+        str,
+        DEFAULT_PARSER,
+        "how chat output is read for tool calls with tool_choice auto: the model family's "
+        "format (default: %(default)s, the default model's as pdserve renders tools for it)",
+        choices=PARSERS,
     ),
 )
 
@@ -279,6 +288,7 @@ async def _serve(
             frontend.max_model_len,
             keys,
             max_body_bytes=message_limit(frontend.max_prompt_chars),
+            tool_call_parser=args.tool_call_parser,
         )
         tls_files = (args.public_tls_cert, args.public_tls_key) if public else None
         http = HttpServer(api.app, args.host, args.http_port, tls_files)

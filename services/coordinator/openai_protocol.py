@@ -6,8 +6,10 @@ coordinator's request path (one per choice). Types are checked here; ranges are 
 the same code as the gRPC API's, so both refuse a bad value with the same words.
 
 Choices we made where the API leaves room: unknown fields are ignored (as OpenAI's own
-server does); fields we do not implement (tools, echo, best_of, suffix) are refused when
-set to anything but their neutral value, naming the field; `n`
+server does); known fields that would change the output and are not implemented (echo,
+best_of, suffix, legacy `functions`, audio, prompt_logprobs, vLLM's beam search and
+template controls: `NOT_IMPLEMENTED`) are refused when set to anything but their neutral
+value, naming the field; `n`
 choices run as n requests, and with a `seed` choice i uses `seed + i`. Every number is
 checked against its protobuf field's range and every string for UTF-8 before the message is
 filled, so no value a client can send makes filling it fail."""
@@ -15,13 +17,14 @@ filled, so no value a client can send makes filling it fail."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import MAX_LOGPROBS
 from pdserve.services.coordinator.structured_request import structured_output
+from pdserve.services.coordinator.tool_calls import DEFAULT_PARSER, ToolPlan
 from pdserve.v1 import generate_pb2
 
 MAX_CHOICES = 16  # n x prompts per request
@@ -97,7 +100,30 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
 
+    # Known fields that would change the output and are not implemented: refused unless
+    # at their neutral value (unknown fields are ignored, as OpenAI's server does).
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+        "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+        "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
+        "prompt_logprobs": (None,), "logits_processors": (None, []),
+        "return_tokens_as_token_ids": (None, False),
+    }  # fmt: skip
+
     def _refuse_unsupported(self) -> None:
+        for name, neutral in self.NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                raise InvalidRequestError(name, "is not supported by this server")
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError("n", f"must be between 1 and {MAX_CHOICES}, got {self.n}")
 
@@ -174,6 +200,32 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    def to_proto(self, i: int) -> generate_pb2.ChatMessage:
+        message = generate_pb2.ChatMessage(
+            role=_utf8(f"messages[{i}].role", self.role), content=self.text(i),
+            tool_call_id=_utf8(f"messages[{i}].tool_call_id", self.tool_call_id),
+        )  # fmt: skip
+        for j, call in enumerate(self.tool_calls or ()):
+            field = f"messages[{i}].tool_calls[{j}]"
+            function = call.get("function")
+            if call.get("type", "function") != "function" or not isinstance(function, dict):
+                raise InvalidRequestError(field, "must be a function call")
+            name, arguments = function.get("name"), function.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(arguments, str):
+                raise InvalidRequestError(
+                    f"{field}.function", "needs a string name and arguments (JSON text)"
+                )
+            call_id = call.get("id") or ""
+            if not isinstance(call_id, str):
+                raise InvalidRequestError(f"{field}.id", "must be a string")
+            message.tool_calls.append(generate_pb2.ToolCall(
+                id=_utf8(f"{field}.id", call_id), name=_utf8(f"{field}.function.name", name),
+                arguments=_utf8(f"{field}.function.arguments", arguments),
+            ))  # fmt: skip
+        return message
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -197,11 +249,43 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Chat fields that would change the output and are not implemented (legacy functions,
+    # audio, vLLM's template controls).
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_SamplingFields.NOT_IMPLEMENTED,
+        "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
+        "audio": (None,), "echo": (None, False), "add_generation_prompt": (None, True),
+        "continue_final_message": (None, False), "chat_template": (None,),
+        "chat_template_kwargs": (None, {}),
+    }  # fmt: skip
 
-    def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
+    def tool_plan(self, parser: str = DEFAULT_PARSER) -> ToolPlan | None:
+        """How this request's tools are offered and its output read (`tool_calls.py`)."""
+        return ToolPlan.from_request(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                     parser)  # fmt: skip
+
+    def to_generate_requests(
+        self, plan: ToolPlan | None = None
+    ) -> list[generate_pb2.GenerateRequest]:
         self._refuse_unsupported()
-        if self.tools:
-            raise InvalidRequestError("tools", "tool calling is not supported by this server")
+        if plan is not None and plan.constraint is not None and any(
+            (self.response_format, self.structured_outputs, self.guided_json, self.guided_regex,
+             self.guided_choice, self.guided_grammar)
+        ):  # fmt: skip
+            raise InvalidRequestError(
+                "tool_choice", "a required or named tool choice is a constraint of its own"
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs", "needs logprobs: true")
@@ -215,16 +299,17 @@ class ChatCompletionRequest(_SamplingFields):
                 "max_completion_tokens", f"must be at least 1, got {self.max_completion_tokens}"
             )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        messages = [
-            generate_pb2.ChatMessage(role=_utf8(f"messages[{i}].role", m.role), content=m.text(i))
-            for i, m in enumerate(self.messages)
-        ]
-        return [
-            generate_pb2.GenerateRequest(
-                messages=messages, sampling=self._sampling(max_tokens, logprobs, choice)
-            )
-            for choice in range(self.n)
-        ]
+        messages = [m.to_proto(i) for i, m in enumerate(self.messages)]
+        requests = []
+        for choice in range(self.n):
+            sampling = self._sampling(max_tokens, logprobs, choice)
+            request = generate_pb2.GenerateRequest(messages=messages, sampling=sampling)
+            if plan is not None:
+                request.tools.extend(plan.tools)
+                if plan.constraint is not None:  # (the request holds a copy of `sampling`)
+                    request.sampling.structured_output.CopyFrom(plan.constraint)
+            requests.append(request)
+        return requests
 
 
 class CompletionRequest(_SamplingFields):

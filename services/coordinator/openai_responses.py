@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.services.coordinator.tool_calls import ToolPlan, ToolStream
 from pdserve.v1 import generate_pb2
 
 ERROR_TYPES = {
@@ -87,8 +88,17 @@ def usage_dict(choices: list[Choice], n: int) -> dict[str, Any]:
 class CompletionFormat:
     """The fields that differ between `/v1/chat/completions` and `/v1/completions`."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, texts: TokenTexts) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        texts: TokenTexts,
+        tools: ToolPlan | None = None,
+    ) -> None:
         self.chat = chat
+        self.tools = tools  # a chat request's tools: its output is read for calls
+        self.tool_streams: dict[int, ToolStream] = {}
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
@@ -138,20 +148,40 @@ class CompletionFormat:
         include_usage: bool,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
+        finish_reason = response.finish_reason or None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             delta["content"] = response.text
+            if self.tools is not None:
+                finish_reason = self._tool_delta(index, delta, response)
             choice["delta"] = delta
         else:
             choice["text"] = response.text
         choice["logprobs"] = (
             self.logprobs(index, list(response.logprobs)) if want_logprobs else None
         )
-        choice["finish_reason"] = response.finish_reason or None
+        choice["finish_reason"] = finish_reason
         out = {**self._head(chunk=True), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
+
+    def _tool_delta(
+        self, index: int, delta: dict[str, Any], response: generate_pb2.GenerateResponse
+    ) -> str | None:
+        """Content up to a call; at the end, the calls (OpenAI's delta shape). The finish
+        reason is "tool_calls" when the output was calls."""
+        assert self.tools is not None
+        stream = self.tool_streams.setdefault(index, ToolStream(self.tools))
+        delta["content"] = stream.feed(response.text)
+        if not response.finish_reason:
+            return None
+        rest, calls = stream.finish()
+        delta["content"] = delta["content"] + rest or None
+        if not calls:
+            return response.finish_reason
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return "tool_calls" if response.finish_reason == "stop" else response.finish_reason
 
     def usage_chunk(self, choices: list[Choice], n: int) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [], "usage": usage_dict(choices, n)}
@@ -160,11 +190,18 @@ class CompletionFormat:
         out = []
         for c in choices:
             entry: dict[str, Any] = {"index": c.index}
+            finish_reason = c.finish_reason
             if self.chat:
                 entry["message"] = {"role": "assistant", "content": c.text}
+                if self.tools is not None:
+                    content, calls = self.tools.parse(c.text)
+                    if calls:
+                        entry["message"] = {"role": "assistant", "content": content,
+                                            "tool_calls": calls}  # fmt: skip
+                        finish_reason = "tool_calls" if c.finish_reason == "stop" else finish_reason
             else:
                 entry["text"] = c.text
             entry["logprobs"] = self.logprobs(c.index, c.logprobs) if want_logprobs else None
-            entry["finish_reason"] = c.finish_reason
+            entry["finish_reason"] = finish_reason
             out.append(entry)
         return {**self._head(chunk=False), "choices": out, "usage": usage_dict(choices, n)}

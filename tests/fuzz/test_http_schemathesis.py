@@ -9,9 +9,10 @@ unsupported methods), fuzzing in positive mode (schema-valid bodies) and in nega
 OpenAPI links: a listed model id retrieved and completed with). Every response goes through
 schemathesis's checks except the ones in EXCLUDED, which this schema cannot satisfy.
 
-Each generated request asks for at most CAP tokens per choice (a `max_tokens` above it,
-or none, becomes CAP; values of the wrong type are left alone), so cases stay fast on a
-CPU while every other field is the fuzzer's."""
+Each generated request asks for at most CAP tokens per choice (a `max_tokens`,
+`max_completion_tokens` or `max_output_tokens` above it, or none, becomes CAP; values of the
+wrong type are left alone), so cases stay fast on a CPU while every other field is the
+fuzzer's."""
 
 from __future__ import annotations
 
@@ -50,12 +51,15 @@ SERVICES = ["http_coordinator"]  # and its colocated worker
 def bounded(case: schemathesis.Case) -> schemathesis.Case:
     body = case.body
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > CAP:
                 body[key] = CAP
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = CAP  # unset means "the rest of the context"
+        if case.path == "/v1/responses":
+            if body.get("max_output_tokens") is None:
+                body["max_output_tokens"] = CAP  # unset means "the rest of the context"
+        elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = CAP
     return case
 
 

@@ -77,8 +77,19 @@ def test_completion_prompts_are_prompt_major() -> None:
         (lambda: chat(logit_bias={"five": 1.0}), "logit_bias"),
         (lambda: chat(logit_bias={"5": float("nan")}), "logit_bias[5]"),
         (lambda: chat(allowed_token_ids=[-1]), "allowed_token_ids"),
-        (lambda: chat(tools=[{"type": "function"}]), "tools"),
+        (
+            lambda: ChatCompletionRequest(
+                messages=[{"role": "assistant", "tool_calls": [{"function": 3}]}]
+            ),
+            "messages[0].tool_calls[0]",
+        ),
         (lambda: chat(top_logprobs=2), "top_logprobs"),
+        (lambda: chat(functions=[{"name": "f"}]), "functions"),
+        (lambda: chat(modalities=["text", "audio"]), "modalities"),
+        (lambda: chat(use_beam_search=True), "use_beam_search"),
+        (lambda: chat(skip_special_tokens=False), "skip_special_tokens"),
+        (lambda: chat(chat_template="{{ x }}"), "chat_template"),
+        (lambda: CompletionRequest(prompt="x", prompt_logprobs=1), "prompt_logprobs"),
         (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),
         (lambda: chat(max_completion_tokens=0), "max_completion_tokens"),
         (lambda: chat(seed=-1), "seed"),
@@ -179,3 +190,9 @@ def test_a_failure_part_way_carries_its_usage() -> None:
     assert body["error"]["code"] == "unavailable"
     assert body["usage"]["completion_tokens"] == 4 and body["usage"]["total_tokens"] == 14
     assert "usage" not in api_error(RequestFailed(grpc.StatusCode.UNAVAILABLE, "x")).body()
+
+
+def test_known_fields_at_their_neutral_values_are_accepted() -> None:
+    neutral = chat(modalities=["text"], skip_special_tokens=True, use_beam_search=False,
+                   length_penalty=1.0, add_generation_prompt=True, functions=[])  # fmt: skip
+    assert len(neutral.to_generate_requests()) == 1

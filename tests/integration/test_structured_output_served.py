@@ -1,9 +1,11 @@
-"""Structured output on real processes (the default model), asked for as clients ask: the
-official `openai` client's `.parse()` with pydantic models, `response_format` json_schema
-and json_object, vLLM's `structured_outputs` and `guided_*`, and the gRPC field. Every
-output is checked by its validator (pydantic, `jsonschema`, the regex, the choice list); a
-greedy constrained request gives the same token ids split (1 prefill + 1 decode) and
-colocated; bad constraints are 400 naming the client's field; no KV block leaks."""
+"""Structured output and tool calls on real processes (the default model), asked for as
+clients ask: the official `openai` client's `.parse()` with pydantic models,
+`response_format` json_schema and json_object, vLLM's `structured_outputs` and `guided_*`,
+the gRPC field, and `tools` with named, required and streamed tool choices and a round
+trip. Every output is checked by its validator (pydantic, `jsonschema`, the regex, the
+choice list); a greedy constrained request gives the same token ids split (1 prefill + 1
+decode) and colocated; bad constraints are 400 naming the client's field; no KV block
+leaks."""
 
 from __future__ import annotations
 
@@ -188,3 +190,88 @@ def test_bad_constraints_are_400_naming_the_field(clusters, client, model):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.structured_output.regex" in refused.value.details()
     assert client.chat.completions.create(model=model, messages=ask, max_tokens=2)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False},
+}}  # fmt: skip
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False},
+}}  # fmt: skip
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _valid_call(call, tools=(WEATHER, TIME)) -> dict:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schemas[call.function.name])
+    return arguments
+
+
+def test_named_and_required_tool_choices_call_with_valid_arguments(clusters, client, model):
+    free = {role: clusters[role].free_blocks() for role in ("prefill", "decode")}
+    named = client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=[WEATHER, TIME], temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80,
+    ).choices[0]  # fmt: skip
+    assert named.finish_reason == "tool_calls" and named.message.content is None
+    [call] = named.message.tool_calls
+    assert call.function.name == "get_weather" and _valid_call(call)
+    required = client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+        temperature=0, max_tokens=150,
+    ).choices[0]  # fmt: skip
+    assert required.finish_reason == "tool_calls" and required.message.tool_calls
+    for call in required.message.tool_calls:
+        _valid_call(call)
+    single = client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, temperature=0.8, seed=3, max_tokens=150,
+    ).choices[0]  # fmt: skip
+    assert len(single.message.tool_calls) == 1
+    assert wait_idle(clusters, free) == free
+
+
+def test_streamed_tool_call_deltas_join_into_valid_arguments(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+        temperature=0, max_tokens=150, stream=True,
+    )  # fmt: skip
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or ():
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for entry in calls.values():
+        assert entry["name"] == "get_weather"
+        jsonschema.validate(json.loads(entry["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_a_tool_round_trip_ends_in_an_answer(client, model):
+    first = client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ).choices[0].message  # fmt: skip
+    [call] = first.tool_calls
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12 degrees and sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER], temperature=0, max_tokens=40,
+    ).choices[0]  # fmt: skip
+    assert answer.message.content and not answer.message.tool_calls
+    assert answer.finish_reason in ("stop", "length")
