@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import NamedTuple
 
 import pytest
+from handoff_pair import engine, handoff, make_pair, prefill, run
 
-from pdserve.common.config import EngineConfig
-from pdserve.common.engine import LLMEngine
 from pdserve.common.errors import InvalidRequestError
-from pdserve.common.handoff.handle import KvHandle
 from pdserve.common.handoff.local_link import LocalLink
-from pdserve.common.handoff.receiver import KvReceiver, PullFailed
-from pdserve.common.handoff.sender import KvSender
-from pdserve.common.handoff.transfer_metrics import NoMetrics
-from pdserve.common.kv_transfer import create_transport
-from pdserve.common.request import RequestStatus
+from pdserve.common.handoff.receiver import PullFailed
 from pdserve.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
@@ -35,83 +28,15 @@ PARAMS = [
 ]
 
 
-def _engine(model_dir, **kw) -> LLMEngine:
-    config = dict(model=str(model_dir), dtype="float32", threads=1, kv_cache_tokens=1024)
-    return LLMEngine(EngineConfig(**{**config, **kw}))
-
-
-def _run(engine: LLMEngine) -> list:
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-    return outputs
-
-
-async def _unused_engine_call(fn):  # tensor-parallel commands only: none here
-    raise AssertionError("no tensor-parallel group in this test")
-
-
-class Pair(NamedTuple):
-    prefill: LLMEngine
-    decode: LLMEngine
-    sender: KvSender
-    receiver: KvReceiver
-
-
-def _pair(model_dir, lease_s: float = 60.0, max_pending: int = 4) -> Pair:
-    prefill, decode = _engine(model_dir), _engine(model_dir)
-    transports = []
-    for engine in (prefill, decode):
-        transport = create_transport("inproc")
-        transport.register_pool(engine.runner.kv_cache)
-        transports.append(transport)
-    sender = KvSender(prefill, transports[0], "prefill-unit", "127.0.0.1:1", lease_s, 5.0,
-                      NoMetrics(), _unused_engine_call)  # fmt: skip
-    receiver = KvReceiver(decode, transports[1], 5.0, NoMetrics(), _unused_engine_call,
-                          max_pending=max_pending)  # fmt: skip
-    return Pair(prefill, decode, sender, receiver)
-
-
 @pytest.fixture
 def pair(tiny_model_dir):
-    pair = _pair(tiny_model_dir)
+    pair = make_pair(tiny_model_dir)
     yield pair
-    pair.sender.transport.close()
-    pair.receiver.transport.close()
-
-
-def _prefill(pair: Pair, prompt, params, rid: str) -> tuple[int, KvHandle]:
-    """Prefill on the prefill engine: its first token, and the handle to its leased blocks."""
-    request = pair.prefill.add_request(prompt, params, rid, prefill_only=True)
-    (first,) = _run_until(pair.prefill, lambda: request.status == RequestStatus.PREFILLED)
-    assert first.finished and first.finish_reason is None
-    return first.new_token_ids[0], pair.sender.grant(request)
-
-
-def _run_until(engine: LLMEngine, done) -> list:
-    """Step until `done()` (a prefill engine holding leases always has work)."""
-    outputs = []
-    while not done():
-        outputs += engine.step()
-    return outputs
-
-
-def handoff(pair: Pair, prompt, params, rid: str) -> tuple[list[int], int]:
-    """Prefill on one engine, pull the blocks, decode on the other: (tokens, pulled)."""
-    first, handle = _prefill(pair, prompt, params, rid)
-    pair.receiver.check(handle, len(prompt))
-    request, admitted = pair.receiver.arrive(prompt, first, params, rid, None)
-    num_cached = admitted.result(0)  # the blocks fit at once here
-    pulled = asyncio.run(pair.receiver.pull(request, handle, num_cached, LocalLink(pair.sender)))
-    pair.receiver.landed(request)
-    outs = _run(pair.decode)
-    pair.prefill.step()  # the lease ended with the send: its blocks go back at this step
-    assert not pair.prefill.has_unfinished_requests()
-    return [first] + [t for o in outs for t in o.new_token_ids], pulled
+    pair.close()
 
 
 def test_handoff_gives_one_engines_tokens(tiny_model_dir, pair):
-    reference = _engine(tiny_model_dir, enable_prefix_caching=False)
+    reference = engine(tiny_model_dir, enable_prefix_caching=False)
     free = [e.kv_cache.num_free_blocks for e in (pair.prefill, pair.decode)]
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         expected = reference.generate([prompt], params)[0].token_ids
@@ -127,7 +52,7 @@ def test_decode_pulls_only_what_it_does_not_cache(tiny_model_dir, pair):
     handoff(pair, [*shared, 1, 2, 3], params, "a")
     got, pulled = handoff(pair, [*shared, 9, 8], params, "b")
     assert pulled == 1  # only the tail block; the shared four come from decode's cache
-    reference = _engine(tiny_model_dir, enable_prefix_caching=False)
+    reference = engine(tiny_model_dir, enable_prefix_caching=False)
     assert got == reference.generate([[*shared, 9, 8]], params)[0].token_ids
 
 
@@ -136,7 +61,7 @@ def test_everything_cached_releases_the_lease_unsent(pair):
     prompt = list(range(2000, 2032))  # two full blocks, both cached on decode after the first
     handoff(pair, prompt, params, "a")
     free = pair.prefill.kv_cache.num_free_blocks
-    first, handle = _prefill(pair, prompt, params, "b")
+    first, handle = prefill(pair, prompt, params, "b")
     assert len(pair.sender.leases) == 1
     request, admitted = pair.receiver.arrive(prompt, first, params, "b", None)
     num_cached = admitted.result(0)
@@ -145,7 +70,7 @@ def test_everything_cached_releases_the_lease_unsent(pair):
     assert asyncio.run(pair.receiver.pull(request, handle, num_cached, link)) == 0
     assert len(pair.sender.leases) == 0  # released, not expired
     pair.receiver.landed(request)
-    _run(pair.decode)
+    run(pair.decode)
     pair.prefill.step()
     assert pair.prefill.kv_cache.num_free_blocks == free
 
@@ -154,7 +79,7 @@ def test_a_stale_handle_fails_the_pull_and_gives_back_its_blocks(pair):
     params = PARAMS[0]
     prompt = PROMPTS[1]
     free = pair.decode.kv_cache.num_free_blocks
-    first, handle = _prefill(pair, prompt, params, "a")
+    first, handle = prefill(pair, prompt, params, "a")
     assert pair.sender.release(handle.lease_id)  # the lease is gone before decode pulls
     request, admitted = pair.receiver.arrive(prompt, first, params, "a", None)
     link = LocalLink(pair.sender)
@@ -172,8 +97,8 @@ def test_a_stale_handle_fails_the_pull_and_gives_back_its_blocks(pair):
 
 
 def test_an_unpulled_lease_expires_in_the_prefill_engines_step(tiny_model_dir):
-    pair = _pair(tiny_model_dir, lease_s=0.0)
-    _prefill(pair, PROMPTS[0], PARAMS[0], "a")
+    pair = make_pair(tiny_model_dir, lease_s=0.0)
+    prefill(pair, PROMPTS[0], PARAMS[0], "a")
     assert pair.prefill.has_unfinished_requests()  # a lease is held: steps have work
     pair.prefill.step()
     assert len(pair.sender.leases) == 0 and pair.sender.leases.num_expired == 1
@@ -184,7 +109,7 @@ def test_an_unpulled_lease_expires_in_the_prefill_engines_step(tiny_model_dir):
 def test_first_token_that_finishes_is_not_handed_off(pair):
     params = SamplingParams(max_tokens=1, temperature=0)
     request = pair.prefill.add_request(PROMPTS[0], params, "one", prefill_only=True)
-    (out,) = _run(pair.prefill)
+    (out,) = run(pair.prefill)
     assert out.finish_reason == "length" and not request.blocks
     with pytest.raises(InvalidRequestError, match="first_token_id"):
         pair.receiver.arrive(PROMPTS[0], out.new_token_ids[0], params, "one", None)
@@ -197,7 +122,7 @@ def test_bad_first_token_is_refused(pair):
 
 
 def test_a_handle_for_another_layout_is_refused_naming_the_field(pair):
-    _, handle = _prefill(pair, PROMPTS[1], PARAMS[0], "a")
+    _, handle = prefill(pair, PROMPTS[1], PARAMS[0], "a")
     cases = {
         "kv_handle.block_size": dataclasses.replace(handle, block_size=32),
         "kv_handle.num_tokens": dataclasses.replace(handle, num_tokens=5),

@@ -6,20 +6,15 @@ its batch, and the handoff's decode worker counts the prefill worker's first tok
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 import torch
+from handoff_pair import handoff, make_pair
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.errors import InvalidRequestError
-from pdserve.common.handoff.local_link import LocalLink
-from pdserve.common.handoff.receiver import KvReceiver
-from pdserve.common.handoff.sender import KvSender
-from pdserve.common.handoff.transfer_metrics import NoMetrics
-from pdserve.common.kv_transfer import create_transport
 from pdserve.common.logits_processors import (
     apply_allowed_tokens,
     apply_logit_bias,
@@ -27,7 +22,7 @@ from pdserve.common.logits_processors import (
     apply_penalties,
     bad_word_bans,
 )
-from pdserve.common.request import PenaltyHistory, Request, RequestStatus
+from pdserve.common.request import PenaltyHistory, Request
 from pdserve.common.sampler import Sampler
 from pdserve.common.sampling_params import SamplingParams
 
@@ -160,36 +155,13 @@ def test_in_the_engine_each_changes_the_output_as_defined_and_stays_batch_invari
 
 @pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 def test_the_decode_worker_counts_the_prefill_workers_first_token(tiny_model_dir):
-    reference, prefill, decode = (_engine(tiny_model_dir) for _ in range(3))
-    transports = []
-    for engine in (prefill, decode):
-        transport = create_transport("inproc")
-        transport.register_pool(engine.runner.kv_cache)
-        transports.append(transport)
-
-    async def engine_call(fn):
-        raise AssertionError("no tensor-parallel group here")
-
-    sender = KvSender(prefill, transports[0], "p", "127.0.0.1:1", 60.0, 5.0, NoMetrics(),
-                      engine_call)  # fmt: skip
-    receiver = KvReceiver(decode, transports[1], 5.0, NoMetrics(), engine_call)
+    reference = _engine(tiny_model_dir)
+    pair = make_pair(tiny_model_dir)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                             presence_penalty=1.5, repetition_penalty=1.4)  # fmt: skip
     prompt = list(range(700, 740))
     try:
         expected = reference.generate([prompt], params)[0].token_ids
-        request = prefill.add_request(prompt, params, "r", prefill_only=True)
-        first = []
-        while request.status != RequestStatus.PREFILLED:
-            first += prefill.step()
-        handle = sender.grant(request)
-        continued, admitted = receiver.arrive(prompt, first[0].new_token_ids[0], params, "r", None)
-        asyncio.run(receiver.pull(continued, handle, admitted.result(0), LocalLink(sender)))
-        receiver.landed(continued)
-        outs = []
-        while decode.has_unfinished_requests():
-            outs += decode.step()
-        assert first[0].new_token_ids + [t for o in outs for t in o.new_token_ids] == expected
+        assert handoff(pair, prompt, params, "r")[0] == expected
     finally:
-        for t in transports:
-            t.close()
+        pair.close()

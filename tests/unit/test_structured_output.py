@@ -7,22 +7,16 @@ each distinct constraint compiles once into a bounded cache."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
 import pytest
 import torch
+from handoff_pair import handoff, make_pair
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
 from pdserve.common.errors import InvalidRequestError
-from pdserve.common.handoff.local_link import LocalLink
-from pdserve.common.handoff.receiver import KvReceiver
-from pdserve.common.handoff.sender import KvSender
-from pdserve.common.handoff.transfer_metrics import NoMetrics
-from pdserve.common.kv_transfer import create_transport
-from pdserve.common.request import RequestStatus
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.structured_output import (
     GrammarCompiler,
@@ -140,49 +134,16 @@ def test_a_constraint_compiles_once_into_a_bounded_cache(tiny_model_dir):
 @pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 def test_the_handoff_continues_the_prefill_workers_grammar_state(tiny_model_dir):
     reference = _engine(tiny_model_dir)
-    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir)
-    transports = []
-    for engine in (prefill, decode):
-        transport = create_transport("inproc")
-        transport.register_pool(engine.runner.kv_cache)
-        transports.append(transport)
-
-    async def engine_call(fn):
-        raise AssertionError("no tensor-parallel group here")
-
-    sender = KvSender(prefill, transports[0], "p", "127.0.0.1:1", 60.0, 5.0, NoMetrics(),
-                      engine_call)  # fmt: skip
-    receiver = KvReceiver(decode, transports[1], 5.0, NoMetrics(), engine_call)
+    pair = make_pair(tiny_model_dir)
     try:
-        for rid, constraint in (
-            ("code", CODE),
-            ("json", StructuredOutput("json", json.dumps(SCHEMA))),
-        ):
+        json_schema = StructuredOutput("json", json.dumps(SCHEMA))
+        prompt = list(range(600, 650))
+        for rid, constraint in (("code", CODE), ("json", json_schema)):
             params = _params(constraint, max_tokens=40)
-            prompt = list(range(600, 650))
             expected = reference.generate([prompt], params)[0].token_ids
-            request = prefill.add_request(prompt, params, rid, prefill_only=True)
-            (first,) = [o for o in _step_until(prefill, request)]
-            handle = sender.grant(request)
-            continued, admitted = receiver.arrive(prompt, first.new_token_ids[0], params, rid, None)
-            asyncio.run(receiver.pull(continued, handle, admitted.result(0), LocalLink(sender)))
-            receiver.landed(continued)
-            outs = []
-            while decode.has_unfinished_requests():
-                outs += decode.step()
-            prefill.step()
-            got = first.new_token_ids + [t for o in outs for t in o.new_token_ids]
-            assert got == expected, rid
+            assert handoff(pair, prompt, params, rid)[0] == expected, rid
         # A first token the grammar does not allow is the caller's mistake, named.
         with pytest.raises(InvalidRequestError, match=r"^first_token_id: token 5 does not fit"):
-            receiver.arrive(list(range(600, 650)), 5, _params(CODE), "bad", None)
+            pair.receiver.arrive(prompt, 5, _params(CODE), "bad", None)
     finally:
-        for t in transports:
-            t.close()
-
-
-def _step_until(engine: LLMEngine, request) -> list:
-    outputs = []
-    while request.status != RequestStatus.PREFILLED:
-        outputs += engine.step()
-    return outputs
+        pair.close()
