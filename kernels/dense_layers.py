@@ -1,7 +1,8 @@
 """A decode step's decoder layers in one C++ call (`csrc/dense_layers.cpp`), on CPU.
 
 The model's forward (`common/models/llama.py`) hands a decode-only batch of a dense model
-here when every op of its layers would take the C++ kernels anyway: the invariant GEMM for
+here (its layers as `DenseLayer`s) when every op of its layers would take the C++ kernels
+anyway: the invariant GEMM for
 every linear, the C++ add + RMSNorm, rotary and SiLU-and-multiply, and the C++ paged
 attention. The call runs the very kernel functions the per-op path runs (the kernel
 extensions export their entry points to this one), in the same order, so the result is the
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -28,8 +29,6 @@ from pdserve.kernels.cpp_build import build_main, load_extension
 
 EXTENSION_NAME = "pdserve_dense_layers"
 SOURCE = Path(__file__).parent / "csrc" / "dense_layers.cpp"
-if TYPE_CHECKING:
-    from pdserve.common.models.attention import AttentionMetadata
 
 LOOP_ENV = "PDSERVE_LAYER_LOOP"  # "0": the per-op Python path for every step
 
@@ -52,6 +51,40 @@ def load(verbose: bool = False) -> ModuleType | None:
         ops.silu_and_mul_entry,
     )
     return ext
+
+
+class PackedLinear(Protocol):
+    """A dense layer as the model holds it (`common/models/linear.Linear`)."""
+
+    weight: torch.Tensor  # as `invariant_gemm.pack` laid it out
+    bias: torch.Tensor | None
+    out_features: int
+    path: str | None  # the invariant GEMM's path (`invariant_gemm.PATHS`); None: not on it
+
+
+class DecodeSlots(Protocol):
+    """Where a decode-only batch's K/V goes and which blocks it reads
+    (`common/models/attention.AttentionMetadata`)."""
+
+    slot_mapping: torch.Tensor  # [T]
+    decode_block_tables: torch.Tensor  # [T, max_blocks]
+    decode_seq_lens: torch.Tensor  # [T]
+
+
+@dataclass
+class DenseLayer:
+    """One decoder layer as the loop runs it: add + RMSNorm, qkv, rotary, paged attention,
+    o_proj, add + RMSNorm, gate_up, SiLU-and-multiply, down."""
+
+    input_norm: torch.Tensor
+    qkv: PackedLinear
+    o_proj: PackedLinear
+    post_norm: torch.Tensor
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
+LINEARS = ("qkv", "o_proj", "gate_up", "down")
 
 
 @dataclass
@@ -79,33 +112,22 @@ def switched_on(x: torch.Tensor) -> bool:
     )
 
 
-def stack_for(layers: list, hidden: torch.Tensor) -> LayerStack | None:
-    """A LayerStack for `layers` (LayerWeights) when the loop serves them: on CPU, dense
-    MLPs, no q/k norms, every linear on one invariant-GEMM path, and the C++ norm and SiLU
-    serving `hidden`'s dtype and widths (`hidden`: any rows of the model's activations).
-    None otherwise (the per-op path)."""
-    from pdserve.common.models.linear import Linear
-    from pdserve.common.models.moe import DenseMlp
-
+def stack_for(layers: list[DenseLayer], hidden: torch.Tensor) -> LayerStack | None:
+    """A LayerStack for `layers` when the loop serves them: on CPU, every linear on one
+    invariant-GEMM path with one width per kind, and the C++ norm and SiLU serving
+    `hidden`'s dtype and widths (`hidden`: any rows of the model's activations). None
+    otherwise (the per-op path)."""
     if not layers or hidden.device.type != "cpu":
         return None
-    if any(not isinstance(w.mlp, DenseMlp) or w.q_norm is not None for w in layers):
-        return None
-    kinds = {
-        "qkv": [w.qkv for w in layers],
-        "o_proj": [w.o_proj for w in layers],
-        "gate_up": [w.mlp.gate_up for w in layers],
-        "down": [w.mlp.down for w in layers],
-    }
-    linears = [lin for group in kinds.values() for lin in group]
-    paths = {getattr(lin, "path", None) for lin in linears}
-    if not all(isinstance(lin, Linear) for lin in linears) or len(paths) != 1 or None in paths:
+    kinds = {kind: [getattr(layer, kind) for layer in layers] for kind in LINEARS}
+    paths = {lin.path for group in kinds.values() for lin in group}
+    if len(paths) != 1 or None in paths:
         return None
     widths = {kind: {lin.out_features for lin in group} for kind, group in kinds.items()}
     if any(len(w) != 1 for w in widths.values()):  # the loop takes one width per kind
         return None
     # The C++ norm takes rows of a multiple of 16, the SiLU of 32 (fused_ops._fast).
-    inter2 = layers[0].mlp.gate_up.out_features
+    inter2 = layers[0].gate_up.out_features
     if hidden.shape[-1] % 16 or inter2 % 32 or fused_ops.fast_kernels(hidden.dtype) is None:
         return None
     ext = load()
@@ -118,10 +140,10 @@ def stack_for(layers: list, hidden: torch.Tensor) -> LayerStack | None:
         return ext.Dense(weights, biases, next(iter(widths[kind])))
 
     return LayerStack(
-        input_norms=[w.input_norm for w in layers],
+        input_norms=[layer.input_norm for layer in layers],
         qkv=dense("qkv"),
         o_proj=dense("o_proj"),
-        post_norms=[w.post_norm for w in layers],
+        post_norms=[layer.post_norm for layer in layers],
         gate_up=dense("gate_up"),
         down=dense("down"),
         isa=invariant_gemm.PATHS.index(paths.pop()),
@@ -135,7 +157,7 @@ def forward(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: DecodeSlots,
     shape: tuple[int, int, int],
     scale: float,
     eps: float,

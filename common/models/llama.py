@@ -29,7 +29,7 @@ from pdserve.common.models.expert_parallel import ExpertShard
 from pdserve.common.models.expert_stats import ExpertTokenCounter
 from pdserve.common.models.families import family_for
 from pdserve.common.models.linear import Linear
-from pdserve.common.models.moe import Mlp, SparseMoeBlock, load_mlp
+from pdserve.common.models.moe import DenseMlp, Mlp, SparseMoeBlock, load_mlp
 from pdserve.common.models.tensor_parallel import (
     RowParallel,
     TensorShard,
@@ -51,6 +51,26 @@ class LayerWeights:
     mlp: Mlp
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+
+
+def dense_layer_stack(
+    layers: list[LayerWeights], hidden: torch.Tensor
+) -> dense_layers.LayerStack | None:
+    """The one-call layer loop's stack for `layers` when they are of its shape (dense MLPs,
+    no q/k norms, no tensor-parallel linears) and the kernel serves their weights and
+    `hidden` (any rows of the model's activations); None otherwise (the per-op path)."""
+    if any(not isinstance(w.mlp, DenseMlp) or w.q_norm is not None for w in layers):
+        return None
+    dense = [
+        dense_layers.DenseLayer(
+            w.input_norm, w.qkv, w.o_proj, w.post_norm, w.mlp.gate_up, w.mlp.down
+        )
+        for w in layers
+    ]
+    linears = [getattr(layer, kind) for layer in dense for kind in dense_layers.LINEARS]
+    if not all(isinstance(lin, Linear) for lin in linears):
+        return None
+    return dense_layers.stack_for(dense, hidden)
 
 
 class LlamaForCausalLM:
@@ -220,7 +240,7 @@ class LlamaForCausalLM:
             return None
         if self._layer_stack is None:
             eligible = self.tp is None and self.clip_qkv is None
-            stack = dense_layers.stack_for(self.layers, residual) if eligible else None
+            stack = dense_layer_stack(self.layers, residual) if eligible else None
             self._layer_stack = False if stack is None else stack
         return self._layer_stack or None
 

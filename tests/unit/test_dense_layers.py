@@ -13,6 +13,7 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import LLMEngine
+from pdserve.common.models.llama import dense_layer_stack
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kernels import attention, dense_layers, fused_ops, invariant_gemm
 
@@ -85,16 +86,16 @@ def test_layers_the_loop_cannot_take_keep_the_per_op_path(tiny_model_dir) -> Non
     )
     model = engine.runner.model
     hidden = model.embed[:1]
-    assert dense_layers.stack_for(model.layers, hidden) is not None
+    assert dense_layer_stack(model.layers, hidden) is not None
     # One layer's MLP of another width (the loop takes one width per kind of linear).
     narrow = copy.copy(model.layers[1].mlp.gate_up)
     narrow.out_features -= 32
     layers = [copy.copy(w) for w in model.layers]
     layers[1].mlp = copy.copy(layers[1].mlp)
     layers[1].mlp.gate_up = narrow
-    assert dense_layers.stack_for(layers, hidden) is None
+    assert dense_layer_stack(layers, hidden) is None
     # A q/k norm between the projection and rotary, or a GPU tensor: not the loop's either.
     layers = [copy.copy(w) for w in model.layers]
     layers[0].q_norm = layers[0].k_norm = torch.ones(model.head_dim)
-    assert dense_layers.stack_for(layers, hidden) is None
-    assert dense_layers.stack_for(model.layers, hidden.to("meta")) is None
+    assert dense_layer_stack(layers, hidden) is None
+    assert dense_layer_stack(model.layers, hidden.to("meta")) is None

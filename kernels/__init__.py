@@ -1,1 +1,0 @@
-"""pdserve.kernels: attention and KV-cache kernels (torch reference, CPU extension, GPU)."""
