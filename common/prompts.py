@@ -86,7 +86,7 @@ def tokenize_prompt(
         uses_tools = bool(tools) or any(m.get("tool_calls") for m in messages)
         if uses_tools and template_takes_tools(tokenizer):
             extra["tools"] = tools or None
-        elif uses_tools or any(m["role"] == "tool" for m in messages):
+        elif uses_tools:  # (a lone tool turn is left to the template, which may refuse it)
             messages = with_tools_in_text(messages, tools or [])
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra

@@ -24,13 +24,15 @@ FROM_ENV = "each also read from PDSERVE_<NAME>"
 
 
 def env_default(option: Option, default: Any) -> Any:
-    """The option's default as its PDSERVE_<NAME> variable sets it; unset or empty: `default`
-    (a switch is on when its variable is set to anything but 0 or false). A value that does
-    not convert stops the command with a message naming the variable."""
-    value = os.environ.get(option.env, "")
+    """The option's default as its PDSERVE_<NAME> variable sets it; unset: `default`, and
+    empty too but for a free-text option, whose empty value is its value (an empty
+    PDSERVE_API_KEY is a mistake to refuse, not the absence of a key). A switch is on when
+    its variable is set to anything but 0 or false. A value that does not convert stops the
+    command with a message naming the variable."""
+    value = os.environ.get(option.env)
     if option.type is bool:
-        return value not in ("0", "", "false")
-    if not value:
+        return value not in (None, "0", "", "false")
+    if value is None or (not value and (option.type is not str or option.choices)):
         return default
     value = _convert(option.env, option.type, value)
     if option.choices is not None and value not in option.choices:
