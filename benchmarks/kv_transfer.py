@@ -13,8 +13,11 @@ the clock runs from the ask (pipe round trip included) to every block in place. 
   re-sends one buffer that stays in cache, so it flatters itself; it also busy-polls without
   yielding, so on a loaded machine it collapses (the transport yields while it polls).
 
-Prints one JSON object on stdout (progress on stderr). Medians over `--reps`. On a shared
-machine the figures move with the load: `load_average` is reported beside them."""
+Prints one JSON object on stdout (progress, UCX's log and a summary on stderr). Medians over
+`--reps`. On a shared machine the figures move with the load: `load_average` is reported beside
+them. The JSON names what UCX moved the blocks with: `same_host` (the transport's own account,
+e.g. `cma` or why not) and `ucx_protocols`, the protocol lines UCX prints for what each process
+used (`UCX_PROTO_INFO=used`), with how many messages took each."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -41,6 +45,7 @@ from pdserve.common.kv_transfer.ucx import ucx_env_defaults
 
 for _name, _value in ucx_env_defaults().items():  # ucx_perftest gets the same settings
     os.environ.setdefault(_name, _value)
+os.environ.setdefault("UCX_PROTO_INFO", "used")  # each process prints what it used, at exit
 
 GB = 1e9
 
@@ -71,7 +76,7 @@ def sender_main(conn: Connection, args: argparse.Namespace) -> None:
     try:
         pool = make_pool(args, seed=2)
         transport.register_pool(pool)
-        conn.send(transport.address)
+        conn.send((transport.address, os.getpid()))
         while (msg := conn.recv()) is not None:
             if msg == "ping":
                 conn.send("pong")
@@ -109,7 +114,7 @@ class UcxPull:
         self.pool, self.timeout = pool, args.timeout
         if not self.conn.poll(120):
             raise RuntimeError("the sender process did not start")
-        self.conn.recv()  # its address: unused, it is the one sending
+        _, self.sender_pid = self.conn.recv()  # its address is unused: it is the one sending
         rtts = []
         for _ in range(20):
             t0 = time.perf_counter()
@@ -147,6 +152,49 @@ class UcxPull:
                 self.sender.kill()
 
 
+# UCX's log lines ("[time] [host:pid:thread] text") and, in them, the protocol tables that
+# UCX_PROTO_INFO=used prints: a title row per operation, then one row per message size range
+# ("| 128  1728..inf | zero-copy read from remote | cma/memory |": messages, sizes, protocol,
+# transport; "(?)" marks a protocol whose cost depends on the peer).
+_LOG_LINE = re.compile(r"^\[[\d.]+\] \[[^:\]]*:(\d+)\s*:\d+\]\s*(.*?)\s*$")
+_TITLE = re.compile(r"^\|\s*\S+ (intra|inter)-node cfg#\d+\s*\|\s*(.*?)\s*\|$")
+_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*(?:\(\?\)\s*)?(.*?)\s*\|\s*(.*?)\s*\|$")
+
+
+def used_protocols(log: str) -> dict[int, list[dict]]:
+    """The protocol rows that carried messages, by process id, from UCX's log."""
+    tables: dict[int, list[dict]] = {}
+    titles: dict[int, tuple[str, str]] = {}
+    for line in log.splitlines():
+        if (logged := _LOG_LINE.match(line)) is None:
+            continue
+        pid, text = int(logged[1]), logged[2]
+        if title := _TITLE.match(text):
+            titles[pid] = (title[1], title[2])
+        elif (row := _ROW.match(text)) and pid in titles and int(row[1]) > 0:
+            node, operation = titles[pid]
+            tables.setdefault(pid, []).append({
+                "operation": operation,
+                "node": node,
+                "sizes": row[2],
+                "protocol": row[3],
+                "transport": row[4],
+                "messages": int(row[1]),
+            })  # fmt: skip
+    return tables
+
+
+def cpu() -> dict:
+    """The host's processor and its ISA class, as /proc/cpuinfo names them."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in info.splitlines())
+    )
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return {"model": fields.get("model name", "unknown"), "isa": isa}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,7 +210,8 @@ def bench_perftest(nbytes: int, iters: int) -> dict:
         if found is None:
             return {"error": f"ucx_perftest not found (looked in {exe.parent} and PATH)"}
         exe = Path(found)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(libucx / "lib"))
+    # UCX_PROTO_INFO off: its tables would follow the result row that is read below.
+    env = dict(os.environ, LD_LIBRARY_PATH=str(libucx / "lib"), UCX_PROTO_INFO="n")
     port = free_port()
     common = ["-p", str(port)]
     client_args = ["-t", "tag_bw", "-s", str(nbytes), "-n", str(iters), "-w", "2", "-f"]
@@ -225,9 +274,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # UCX logs to stdout (here and in the sender, which inherits it): keep stdout for the JSON.
+    # UCX logs to stdout (here and in the sender, which inherits it): keep stdout for the JSON
+    # and collect UCX's lines in a file, read (and echoed to stderr) once both processes end.
     json_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    ucx_log = os.memfd_create("ucx-log")
+    os.dup2(ucx_log, sys.stdout.fileno())
     block_bytes = args.layers * 2 * args.block_size * args.kv_heads * args.head_dim * 2
     counts = [math.ceil(t / args.block_size) for t in args.tokens]
     if max(counts) > args.pool_blocks:
@@ -284,6 +335,11 @@ def main() -> None:
             sizes.append(row)
     finally:
         ucx.close()
+    with os.fdopen(ucx_log, "rb") as f:  # both workers are gone: their tables are in
+        f.seek(0)
+        log = f.read().decode(errors="replace")
+    sys.stderr.write(log)
+    protocols = used_protocols(log)
 
     big = [r["ucx_over_memcpy"] for r in sizes if r["tokens"] >= 1000]
     result = {
@@ -294,9 +350,15 @@ def main() -> None:
         "ucx_env": {name: os.environ[name] for name in ucx_env_defaults()},
         "memcpy_threads": 1,
         "cpus": os.cpu_count(),
+        "cpu": cpu(),
         "load_average": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "control_round_trip_ms": round(ucx.round_trip * 1e3, 3),
+        "same_host": ucx.transport.same_host,
+        "ucx_protocols": {
+            "decode": protocols.get(os.getpid(), []),
+            "prefill": protocols.get(ucx.sender_pid, []),
+        },
         "sizes": sizes,
         "target": {
             "ucx_over_memcpy_at_1000_plus_tokens": 0.8,
@@ -306,6 +368,14 @@ def main() -> None:
         "included) to every block in place; ucx_from_post_gb_per_s also counts posting the "
         "receives. Medians over reps; random block ids over the whole pools.",
     }
+    say("\nprompt tokens   pull GB/s   memcpy GB/s   pull/memcpy")
+    for r in sizes:
+        say(f"{r['tokens']:>13} {r['ucx_gb_per_s']:>11.2f} {r['memcpy_gb_per_s']:>13.2f} "
+            f"{r['ucx_over_memcpy']:>12.2f}x")  # fmt: skip
+    say(f"between processes on this host: {ucx.transport.same_host}")
+    for row in result["ucx_protocols"]["decode"] + result["ucx_protocols"]["prefill"]:
+        say(f"UCX used: {row['operation']}, {row['sizes']} bytes: {row['protocol']} over "
+            f"{row['transport']} ({row['messages']} messages)")  # fmt: skip
     print(json.dumps(result, indent=2), file=json_out, flush=True)
     os._exit(0)  # a process that used UCX may not exit on its own
 

@@ -4,8 +4,14 @@ worker when they are separate processes.
 Decode allocates blocks for the request and posts one tag receive per block straight into its
 cache pool (`post_receive`); it then asks prefill over gRPC to send, and prefill's `send` posts
 one tag send per block from its own pool to decode's worker address. Block i travels under
-tag `tag | i`; no copy is made on either side (`ucxx._lib.arr.Array` views of every block are
-built once in `register_pool`).
+tag `tag | i`; no staging copy is made on either side (`ucxx._lib.arr.Array` views of every
+block are built once in `register_pool`).
+
+Between processes on one host a block is copied once: UCX's rendezvous protocol has the
+receiver read it straight out of the sender's pool over `cma` (`process_vm_readv`), where the
+kernel lets one process read another's memory (`single_copy_refusal` says why not; the
+transport then logs the reason and UCX copies each block twice, through a shared-memory
+segment). Across hosts UCX uses TCP (or whatever `UCX_TLS` adds).
 
 Threading: one daemon thread per transport owns the UCX context, worker and endpoints and makes
 every UCX call. The public methods only queue a command and wake it through an eventfd. While
@@ -16,33 +22,39 @@ short and must not wait on the transport.
 
 What cancel(tag), a timeout, close() or a failed block guarantee:
 
-- Receive: every block receive that no incoming message has matched yet is cancelled in UCX
-  (ucxx's `Request::cancel`, i.e. `ucp_request_cancel`) and can never write. UCX cannot cancel
-  a receive whose message has already matched (its data is arriving); the transport keeps
-  progressing those and fails the future only when every block request has finished, so once
-  the future has failed nothing writes into its blocks. Exception: matched blocks still
-  unfinished `ABORT_GRACE_S` after the abort (a sender that stalled mid-block) are given up on;
-  the future fails then, and such a block may still be written if its data ever arrives.
+- Receive: a transfer's block receives are posted through an endpoint of their own (to this
+  worker itself, never sent on), which ucxx tracks them by; aborting closes that endpoint, which
+  cancels in UCX (`ucp_request_cancel`) every receive that no incoming message has matched yet:
+  those can never write. UCX cannot cancel a receive whose message has already matched (its
+  data is arriving); the transport keeps progressing those and fails the future only when
+  every block request has finished, so once the future has failed nothing writes into its
+  blocks. Exception: matched blocks still unfinished `ABORT_GRACE_S` after the abort (a sender
+  that stalled mid-block) are given up on; the future fails then, and such a block may still be
+  written if its data ever arrives.
 - Send: UCX cannot cancel a send request, so an aborted send whose blocks are not all sent
   takes the endpoint to its peer out of the cache (the next send reconnects, ~10 ms) and
   force-closes it as soon as the other sends on it have finished, or at the latest
   `ABORT_GRACE_S` later; the sends still unfinished then fail too, their error naming the
-  aborted tag. The aborted send's future fails after that close: from then on UCX no longer
-  reads its blocks. A send that fails because the peer died closes the endpoint at once.
+  aborted tag. The aborted send's future fails after that close: from then on this process no
+  longer touches its blocks. A send that fails because the peer died closes the endpoint at
+  once. On one host the peer may still be reading blocks of a send that failed (the single
+  copy is the receiver's read, which the sender cannot revoke; the sender's memory is never
+  written): a receive's blocks are good only when the send that filled them succeeded, which
+  the decode side learns from `TransferKv`'s answer.
 - Either way, free the blocks only once the future has failed, not right after `cancel`. A
   timeout counts from the call; the future fails at the deadline plus the waits above (none in
   the usual case). Fewer blocks sent than the receive expects leave the receive to time out,
   more leave the send to time out: a tag message carries no count.
 
 UCX settings the environment leaves unset get `ucx_env_defaults()`: `UCX_TLS=posix,self,tcp`
-(plus CUDA transports when CUDA is available) and what shared memory needs to be chosen. On GPU
-pools, the stream that wrote the blocks must be synchronised before `send`.
+plus `cma` where allowed (and CUDA transports when CUDA is available), and what shared memory
+and `cma` need to be chosen. On GPU pools, the stream that wrote the blocks must be
+synchronised before `send`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import logging
 import math
@@ -54,6 +66,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,10 +99,43 @@ def _unseal(address: bytes) -> bytes:
     return body
 
 
+YAMA_PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
+PROC_STATUS = Path("/proc/self/status")
+_CAP_SYS_PTRACE = 19  # its bit in PROC_STATUS's CapEff
+
+
+def single_copy_refusal() -> str | None:
+    """Why UCX's `cma` transport (a receiver's `process_vm_readv` of its sender's blocks)
+    cannot work between this worker and its peers on the host, or None when it can. Yama's
+    `ptrace_scope` decides, as UCX's own check does (UCX opens scope 1 to its peers itself,
+    with `PR_SET_PTRACER_ANY`); a seccomp filter that refuses the call is caught by UCX at
+    start-up (`UcxTransport.same_host` then says so)."""
+    try:
+        scope = YAMA_PTRACE_SCOPE.read_text().strip()
+    except OSError:
+        return None  # no Yama: processes of one user may read each other's memory
+    if scope in ("0", "1") or (scope == "2" and _has_cap_sys_ptrace()):
+        return None
+    if scope == "2":
+        return "Yama ptrace_scope is 2 and the process lacks CAP_SYS_PTRACE"
+    return f"Yama ptrace_scope is {scope}: no process may read another's memory"
+
+
+def _has_cap_sys_ptrace() -> bool:
+    try:
+        lines = PROC_STATUS.read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        return bool(int(fields["CapEff"], 16) >> _CAP_SYS_PTRACE & 1)
+    except (OSError, KeyError, ValueError):
+        return False
+
+
 def ucx_env_defaults() -> dict[str, str]:
     """The UCX settings the transport applies unless the environment sets them."""
-    tls = "posix,self,tcp" + (",cuda_copy,cuda_ipc" if torch.cuda.is_available() else "")
-    return {
+    single_copy = single_copy_refusal() is None
+    tls = "posix,self,tcp" + (",cma" if single_copy else "")
+    tls += ",cuda_copy,cuda_ipc" if torch.cuda.is_available() else ""
+    defaults = {
         "UCX_TLS": tls,
         "UCX_WARN_UNUSED_ENV_VARS": "n",
         # Endpoints handle peer failure; UCX only picks shared memory for such endpoints with
@@ -99,21 +145,26 @@ def ucx_env_defaults() -> dict[str, str]:
         # rather than 20 s; destroying a worker waits on such half-received messages.
         "UCX_KEEPALIVE_INTERVAL": "1s",
     }
+    if single_copy:
+        # With peer failure handling on, UCX runs rendezvous over `cma` only if cma can revoke
+        # a peer's access to a failed transfer's buffer, which it cannot (without this, UCX
+        # copies through shared memory instead). The receiver reads the sender's blocks, so
+        # what is not revoked is a read of a failed send's blocks: the module docstring says
+        # why that is harmless here.
+        defaults["UCX_CMA_MEMORY_INVALIDATE"] = "y"
+    return defaults
 
 
-def _request_canceller() -> Any:
-    """ucxx's Python API cancels a request only when its last reference is dropped, which
-    would leave us unable to see when a matched receive finishes. `Request::cancel` is what
-    that drop calls (tag requests do not override it); call it directly, keeping the request."""
-    try:
-        import libucxx
-
-        fn = libucxx.load_library()._ZN4ucxx7Request6cancelEv
-    except (ImportError, OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p]
-    fn.restype = None
-    return fn
+def _same_host(context: Any) -> tuple[str, int]:
+    """How UCX moves blocks between this process and a peer on the same host, and why; and
+    the level to log that at (a warning when the host, not the settings, refuses cma)."""
+    if "cma/" in context.info:  # a resource UCX found usable
+        return "cma: one copy, the receiver reads the sender's blocks", logging.INFO
+    tls = context.config.get("TLS", "")
+    reason, level = single_copy_refusal(), logging.WARNING
+    if reason is None and "cma" not in tls and tls not in ("all", "sm", "shm"):
+        reason, level = f"UCX_TLS={tls} leaves out cma", logging.INFO
+    return f"posix shared memory: two copies ({reason or 'UCX found cma unusable'})", level
 
 
 @dataclass(eq=False)
@@ -127,7 +178,8 @@ class _Transfer:
     future: Future[TransferResult] = field(default_factory=Future)
     start: float = field(default_factory=time.monotonic)
     requests: list[Any] = field(default_factory=list)
-    endpoint: Any = None
+    endpoint: Any = None  # a send's, to its peer
+    group: Any = None  # a receive's: the endpoint its requests are posted through
     done: int = 0  # requests[:done] have completed
     failure: str | None = None  # why it was aborted; set once
     give_up_at: float = math.inf
@@ -153,7 +205,6 @@ class UcxTransport(KvTransport):
 
         self._ucx = ucx
         self._array = Array
-        self._cancel_request = _request_canceller()
         self._lock = threading.Lock()  # guards _closed, _commands and the eventfd's life
         self._closed = False
         self._commands: deque[tuple[Any, ...]] = deque()
@@ -164,11 +215,15 @@ class UcxTransport(KvTransport):
         # Owned by the thread.
         self._transfers: dict[tuple[int, bytes | None], _Transfer] = {}
         self._endpoints: dict[bytes, Any] = {}
+        self._idle_groups: list[Any] = []  # receive groups with nothing posted on them
         # Endpoints out of the cache, to be closed once their other sends are done:
         # (endpoint, peer, close at the latest, why).
         self._retiring: list[tuple[Any, bytes, float, str]] = []
         self._address = b""
         self._worker: Any = None
+        #: how blocks move between processes on this host, and why (see `_same_host`)
+        self.same_host = ""
+        self._same_host_level = logging.INFO
         self._startup_error: BaseException | None = None
         ready = threading.Event()
         self._thread = threading.Thread(
@@ -178,6 +233,8 @@ class UcxTransport(KvTransport):
         ready.wait()
         if self._startup_error is not None:
             raise KvTransferError(f"UCX start-up failed: {self._startup_error}")
+        message = f"KV blocks between processes on this host: {self.same_host}"
+        log.log(self._same_host_level, message)
 
     @property
     def address(self) -> bytes:
@@ -292,6 +349,7 @@ class UcxTransport(KvTransport):
             worker = ucx.UCXWorker(context)
             worker.init_blocking_progress_mode()
             self._address = _seal(bytes(worker.address))
+            self.same_host, self._same_host_level = _same_host(context)
         except Exception as e:
             self._startup_error = e
             with self._lock:
@@ -318,9 +376,10 @@ class UcxTransport(KvTransport):
                         KvTransferError(f"{command[1].name}: transport closed")
                     )
             self._transfers.clear()
-            for ep in self._endpoints.values():
+            for ep in [*self._endpoints.values(), *self._idle_groups]:
                 ep.close_blocking()
             self._endpoints.clear()
+            self._idle_groups.clear()
             # The last references to the worker and context go on this thread.
             self._worker = None
             del worker, context
@@ -400,7 +459,8 @@ class UcxTransport(KvTransport):
         ucx = self._ucx
         try:
             if t.peer is None:
-                post = self._worker.tag_recv
+                t.group = self._receive_group()
+                post = t.group.tag_recv
             else:
                 t.endpoint = self._endpoint(t.peer)
                 post = t.endpoint.tag_send
@@ -408,6 +468,14 @@ class UcxTransport(KvTransport):
                 t.requests.append(post(view, ucx.UCXXTag(t.tag | i)))
         except Exception as e:
             self._abort(t, f"posting failed: {type(e).__name__}: {e}", time.monotonic())
+
+    def _receive_group(self) -> Any:
+        """An endpoint to this worker itself that nothing is sent on, to post one transfer's
+        receives through: ucxx tracks requests by endpoint, and closing it cancels in UCX the
+        ones still posted (and only them). A finished transfer's group is used again."""
+        if self._idle_groups:
+            return self._idle_groups.pop()
+        return self._worker.create_endpoint_from_worker_address(self._worker.address, False)
 
     def _endpoint(self, peer: bytes) -> Any:
         ep = self._endpoints.get(peer)
@@ -504,10 +572,7 @@ class UcxTransport(KvTransport):
         t.failure = why
         if t.peer is None:
             t.give_up_at = now + ABORT_GRACE_S
-            if self._cancel_request is None:
-                del t.requests[t.done :]  # dropping the last reference cancels a request
-            for r in t.requests[t.done :]:
-                self._cancel_request(r.ucxx_ptr)  # a no-op on a completed request
+            self._close_group(t)
         elif t.endpoint is None or t.done == len(t.requests):
             t.give_up_at = now
         elif not t.endpoint.alive:  # the peer failed: its other sends are lost anyway
@@ -515,11 +580,22 @@ class UcxTransport(KvTransport):
         else:  # the give-up clock starts when the endpoint closes
             self._retire_endpoint(t.peer, t.endpoint, f"{t.name} was aborted ({why})", now)
 
+    @staticmethod
+    def _close_group(t: _Transfer) -> None:
+        """Cancel the receives of `t` that no message has matched (matched ones go on)."""
+        group, t.group = t.group, None
+        if group is not None:
+            group.close_blocking()
+
     def _finish(self, t: _Transfer, now: float) -> None:
         del self._transfers[(t.tag, t.peer)]
         t.requests = []
         t.endpoint = None
         t.keep = None
+        if t.group is not None and t.failure is None:
+            self._idle_groups.append(t.group)  # every receive on it has completed
+            t.group = None
+        self._close_group(t)  # still open after a failure only if the loop itself failed
         if t.failure is None:
             t.future.set_result(TransferResult(len(t.views), t.nbytes, now - t.start))
         else:

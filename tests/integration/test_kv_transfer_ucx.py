@@ -14,6 +14,7 @@ import random
 import signal
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,14 +38,24 @@ def _digest(pool: torch.Tensor, ids: list[int]) -> str:
     return hashlib.blake2b(pool[ids].view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _agent(conn: Connection, seed: int) -> None:
-    """Runs in a spawned process: a transport over a pool of random blocks, driven by `conn`."""
+def _agent(conn: Connection, seed: int, log_dir: Path | None, ptrace_scope: Path | None) -> None:
+    """Runs in a spawned process: a transport over a pool of random blocks, driven by `conn`.
+    With `log_dir`, its log and UCX's (with the protocols UCX used, written as its worker goes)
+    land there as `pdserve.<pid>.log` and `ucx.<pid>.log`; `ptrace_scope` stands in for Yama's
+    file."""
+    import logging
     from concurrent.futures import ThreadPoolExecutor
 
-    from pdserve.common.kv_transfer import KvTransferError
-    from pdserve.common.kv_transfer.ucx import UcxTransport
+    from pdserve.common.kv_transfer import KvTransferError, ucx
 
-    transport = UcxTransport()
+    if log_dir is not None:
+        logging.basicConfig(filename=log_dir / f"pdserve.{os.getpid()}.log", level=logging.INFO)
+        os.environ["UCX_PROTO_INFO"] = "used"  # printed on stdout, whatever UCX_LOG_FILE says
+        ucx_log = os.open(log_dir / f"ucx.{os.getpid()}.log", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.dup2(ucx_log, 1)
+    if ptrace_scope is not None:
+        ucx.YAMA_PTRACE_SCOPE = ptrace_scope
+    transport = ucx.UcxTransport()
     try:
         pool = torch.empty((NUM_BLOCKS, *BLOCK_SHAPE), dtype=torch.bfloat16)
         pool.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
@@ -80,6 +91,8 @@ def _agent(conn: Connection, seed: int) -> None:
                 transport.cancel(args[0])
             elif op == "digest":
                 reply = _digest(pool, args[0])
+            elif op == "same_host":
+                reply = transport.same_host
             conn.send(reply)
     finally:
         transport.close()
@@ -87,10 +100,14 @@ def _agent(conn: Connection, seed: int) -> None:
 
 
 class Agent:
-    def __init__(self, seed: int) -> None:
+    def __init__(
+        self, seed: int, log_dir: Path | None = None, ptrace_scope: Path | None = None
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_agent, args=(child, seed), daemon=True)
+        self.process = ctx.Process(
+            target=_agent, args=(child, seed, log_dir, ptrace_scope), daemon=True
+        )
         self.process.start()
         child.close()
         try:
@@ -212,11 +229,26 @@ def test_cancelled_receive_fails_and_a_late_send_writes_nothing(
     decode.call("cancel", tag)
     status, message = decode.wait("post", tag)
     assert status == "failed" and "cancelled" in message
+    assert "gave up" not in message  # its receives were cancelled in UCX, not waited out
     prefill.send(decode, tag, [0, 1, 2, 3], timeout=1.0)  # nobody receives it any more
     status, message = prefill.wait("send", tag, timeout=1.0)
     assert status == "failed" and "timed out" in message
     assert decode.digest(dst) == before
     pull(prefill, decode, [5, 6], [10, 11])  # the endpoint closed by that abort is replaced
+
+
+def test_cancelled_receive_spares_the_other_receives(agents: tuple[Agent, Agent]) -> None:
+    prefill, decode = agents
+    doomed, kept = new_tag(), new_tag()
+    decode.post(doomed, [30, 31])
+    decode.post(kept, [32, 33])
+    decode.call("cancel", doomed)
+    status, message = decode.wait("post", doomed)
+    assert status == "failed" and "cancelled" in message
+    prefill.send(decode, kept, [4, 5])
+    assert decode.wait("post", kept)[0] == "ok"
+    assert prefill.wait("send", kept)[0] == "ok"
+    assert prefill.digest([4, 5]) == decode.digest([32, 33])
 
 
 def test_cancelled_send_fails_and_spares_other_sends_to_the_peer(
