@@ -50,7 +50,8 @@ def test_env_ports_and_probes_match_the_cli(value_set: str, monkeypatch) -> None
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == args.port
         assert ports["metrics"] == args.metrics_port != 0
-        # Expert-parallel rank r listens on port + r and metrics port + r (services/worker_process.py).
+        # Expert-parallel rank r listens on port + r and metrics port + r
+        # (services/worker_process.py).
         ranks = getattr(args, "expert_parallel", 1)
         for prefix, base in (("grpc", args.port), ("metrics", args.metrics_port)):
             named = {n: p for n, p in ports.items() if n.startswith(f"{prefix}-ep")}
