@@ -149,7 +149,14 @@ def build(cls: Callable[[], Message], values: Mapping[str, Any]) -> Message:
         if value is None:
             continue
         field = message.DESCRIPTOR.fields_by_name[name]
-        if field.type == T.TYPE_MESSAGE:
+        if field.type == T.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            entries = getattr(message, name)  # a map: its entries drawn as key/value messages
+            for entry in value:
+                if field.message_type.fields_by_name["value"].type == T.TYPE_MESSAGE:
+                    entries[entry.key].CopyFrom(entry.value)
+                else:
+                    entries[entry.key] = entry.value
+        elif field.type == T.TYPE_MESSAGE:
             if field.is_repeated:
                 getattr(message, name).extend(value)
             else:
