@@ -203,17 +203,3 @@ def apply_bitmasks(logits: Tensor, constraints: Sequence[Constraint | None]) -> 
         constraints[i].fill(bitmask, i)  # type: ignore[union-attr]
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
     return logits
-
-
-def constraint_mask_row(constraint: Constraint, vocab: int) -> Tensor:
-    """The allowed tokens of one matcher as a bool row (tests' reference)."""
-    import torch
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(1, vocab)
-    constraint.fill(bitmask, 0)
-    bits = bitmask[0].to(torch.int64) & 0xFFFFFFFF
-    allowed = torch.zeros(bits.numel() * 32, dtype=torch.bool)
-    for b in range(32):
-        allowed[b::32] = ((bits >> b) & 1).bool()
-    return allowed[:vocab]

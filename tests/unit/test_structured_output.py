@@ -22,7 +22,6 @@ from pdserve.common.structured_output import (
     GrammarCompiler,
     StructuredOutput,
     apply_bitmasks,
-    constraint_mask_row,
 )
 
 CODE = StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}")
@@ -33,6 +32,19 @@ SCHEMA = {
     "required": ["n"],
     "additionalProperties": False,
 }
+
+
+def constraint_mask_row(constraint, vocab: int) -> torch.Tensor:
+    """The reference: the tokens one matcher allows next, as a bool row read bit by bit."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    constraint.fill(bitmask, 0)
+    bits = bitmask[0].to(torch.int64) & 0xFFFFFFFF
+    allowed = torch.zeros(bits.numel() * 32, dtype=torch.bool)
+    for b in range(32):
+        allowed[b::32] = ((bits >> b) & 1).bool()
+    return allowed[:vocab]
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
