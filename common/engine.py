@@ -64,6 +64,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Log-probabilities of `new_token_ids` (empty when the request asked for none).
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # When it asked for them, on every output: its prompt tokens' (entry i is token i + 1's;
+    # the first prompt token has none). Complete from the first output on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLMEngine:
@@ -236,6 +239,8 @@ class LLMEngine:
         request.bad_word_ids = self._bad_word_ids(params.bad_words)
         if params.structured is not None:
             request.constraint = self.grammars().matcher(params.structured)
+        if params.prompt_logprobs is not None and resume is None:
+            request.prompt_logprobs = []
         if resume is not None:
             self._resume(request, resume)
         return request
@@ -306,6 +311,7 @@ class LLMEngine:
         that worker left it, so the tokens after the first are those one engine would give.
         It holds no blocks yet: see `add_prefilled`."""
         request = self._new_request(list(prompt_token_ids), params, request_id, resume)
+        request.prompt_logprobs = None  # the prefill worker reported them
         vocab = self.runner.hf_config.vocab_size
         if not 0 <= first_token_id < vocab:
             raise InvalidRequestError(
@@ -391,7 +397,9 @@ class LLMEngine:
                 request.logprobs.append(s.logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
-            outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
+            output = self._process_token(request, s.token_id, logprobs=s.logprobs)
+            output.prompt_logprobs = request.prompt_logprobs
+            outputs.append(output)
         seconds = time.perf_counter() - step_start
         self._last_step_end = time.monotonic()
         kind = prefill > 0

@@ -73,8 +73,9 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks matching the request's tokens, capped so
-        the last token is still computed. Does not take references."""
-        if not self.enable_prefix_caching:
+        the last token is still computed. Does not take references. None for a request that
+        asks for prompt logprobs: those come from computing every prompt position."""
+        if not self.enable_prefix_caching or request.computing_prompt_logprobs:
             return []
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

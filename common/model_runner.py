@@ -38,7 +38,7 @@ from pdserve.common.models.tp_steps import (
 )
 from pdserve.common.prompts import max_model_len
 from pdserve.common.request import Request
-from pdserve.common.sampler import Sampler, TokenLogprobs
+from pdserve.common.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from pdserve.common.scheduler import ScheduledBatch
 from pdserve.kernels import invariant_gemm
 
@@ -269,6 +269,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         graphs = self.decode_graphs
         requests = batch.requests
+        prompt = _PromptRows()
         if (
             graphs is not None
             and batch.num_decodes == len(requests)
@@ -278,14 +279,22 @@ class ModelRunner:
             hidden = graphs.run(tokens, positions, slots, [r.block_ids for r in requests])
             sample_idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         else:
-            input_ids, pos, meta, sample_idx, sampling = self._prepare(batch)
+            input_ids, pos, meta, sample_idx, sampling, prompt = self._prepare(batch)
+            if prompt.rows:  # their logits come with the sampled rows' (one lm_head call)
+                rows = torch.tensor(prompt.rows, dtype=torch.int64, device=self.device)
+                sample_idx = torch.cat([sample_idx, rows])
             if self.step_sender is not None:
                 self.step_sender.send(StepInputs(input_ids, pos, meta, sample_idx))
             hidden = self.model.forward(input_ids, pos, meta, self.kv_cache)
         self.num_forwards += 1
-        if not sampling:
+        if not sample_idx.numel():
             return []
         logits = self.model.compute_logits(hidden[sample_idx])
+        if prompt.rows:
+            prompt.record(logits[len(sampling) :])
+            logits = logits[: len(sampling)]
+        if not sampling:
+            return []
         out = self.sampler.sample(
             logits,
             [r.sampling_params for r in sampling],
@@ -326,6 +335,7 @@ class ModelRunner:
         nd = batch.num_decodes
         decodes = batch.requests[:nd]
         tokens, positions, slots, sample_idx, sampling = self._decode_rows(decodes)
+        prompt = _PromptRows()
 
         # Prefill chunks: a run of tokens each.
         query_start = [0]
@@ -341,6 +351,8 @@ class ModelRunner:
             slots.extend((block_ids[pos // bs] * bs + pos % bs).tolist())
             query_start.append(query_start[-1] + n)
             prefill_lens.append(end)
+            if r.computing_prompt_logprobs:
+                prompt.add(r, start, end, offset)
             offset += n
             if end == r.num_tokens:
                 sample_idx.append(offset - 1)
@@ -364,6 +376,7 @@ class ModelRunner:
             meta,
             torch.tensor(sample_idx, dtype=torch.int64, device=device),
             sampling,
+            prompt,
         )
 
     def _block_table(self, requests: list[Request]) -> torch.Tensor:
@@ -372,6 +385,39 @@ class ModelRunner:
         for i, r in enumerate(requests):
             table[i, : len(r.blocks)] = r.block_ids
         return torch.from_numpy(table).to(self.device)
+
+
+class _PromptRows:
+    """The rows of a step whose logits give prompt logprobs: position p of a prompt chunk
+    predicts prompt token p + 1 (the last prompt position predicts the first output token,
+    sampled as usual)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+        self.spans: list[tuple[Request, int, int]] = []  # (request, first position, count)
+
+    def add(self, request: Request, start: int, end: int, first_row: int) -> None:
+        stop = min(end, request.num_prompt_tokens - 1)
+        if stop > start:
+            self.rows.extend(range(first_row, first_row + stop - start))
+            self.targets.extend(request.all_token_ids[start + 1 : stop + 1])
+        self.spans.append((request, start, max(0, stop - start)))
+
+    def record(self, logits: torch.Tensor) -> None:
+        """Each request's entries from `logits` (one row per `rows`), in prompt order; a
+        chunk that starts over (after a preemption) replaces what was there."""
+        targets = torch.tensor(self.targets, dtype=torch.int64, device=logits.device)
+        tops: list[int] = []
+        for r, _, count in self.spans:
+            tops += [r.sampling_params.prompt_logprobs or 0] * count
+        entries = prompt_logprobs(logits, targets, tops)
+        at = 0
+        for r, start, count in self.spans:
+            assert r.prompt_logprobs is not None
+            del r.prompt_logprobs[start:]
+            r.prompt_logprobs.extend(entries[at : at + count])
+            at += count
 
 
 def _bans(request: Request) -> frozenset[int]:

@@ -108,6 +108,9 @@ class Request:
     num_resumed_tokens: int = 0
     output_text: str = ""
     logprobs: list = field(default_factory=list)
+    # Its prompt tokens' log-probabilities (entry i: token i + 1), while it asks for them;
+    # None otherwise (and for a resumed leg, whose first leg reported them).
+    prompt_logprobs: list | None = None
     scheduled_time: float | None = None  # first admitted into a batch (monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -121,6 +124,12 @@ class Request:
         return PenaltyHistory(
             self.prompt_token_ids[:cut], self.prompt_token_ids[cut:] + self.output_token_ids
         )
+
+    @property
+    def computing_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to compute: it asks for them and has no output yet
+        (a preempted request that recomputes later does not redo them)."""
+        return self.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,37 @@ class TokenLogprobs(NamedTuple):
     token_id: int  # the sampled token
     logprob: float  # its log-probability
     top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
+    # Its rank in the distribution (1: the most likely); 0 where not computed (sampled tokens).
+    rank: int = 0
+
+
+def prompt_logprobs(logits: Tensor, targets: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Row i of `logits` [N, V] (float32) is the distribution that predicted prompt token
+    `targets[i]`: its log-probability, its rank, and the row's `num_top[i]` most likely
+    tokens, all from the unmodified distribution (vLLM's prompt_logprobs)."""
+    if logits.shape[0] == 0:
+        return []
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks: list[int] = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    k = min(max(num_top), logprobs.shape[1])
+    top_v: list[list[float]] = [[] for _ in num_top]
+    top_i: list[list[int]] = [[] for _ in num_top]
+    if k > 0:
+        values, indices = logprobs.topk(k, dim=-1)
+        top_v, top_i = values.tolist(), indices.tolist()
+    return [
+        TokenLogprobs(t, lp, list(zip(ti[:n], tv[:n], strict=True)), rank)
+        for t, lp, ti, tv, n, rank in zip(
+            targets.tolist(),
+            chosen.squeeze(1).tolist(),
+            top_i,
+            top_v,
+            num_top,
+            ranks,
+            strict=True,
+        )
+    ]
 
 
 class SamplerOutput(NamedTuple):

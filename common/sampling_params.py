@@ -40,6 +40,10 @@ class SamplingParams:
     # Return the log-probabilities of this many most likely tokens at each step (0: only the
     # sampled token's; None: none at all).
     logprobs: int | None = None
+    # Return the log-probability of every prompt token after the first, with this many most
+    # likely alternatives at each position (vLLM's `prompt_logprobs`; None: none). A request
+    # that asks for them computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Hold the output to a JSON schema, regex, choice or grammar (`structured_output.py`).
     structured: StructuredOutput | None = None
@@ -122,6 +126,15 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 "logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"
+            )
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                "prompt_logprobs",
+                f"must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs!r}",
             )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequestError("structured", "must be a StructuredOutput")

@@ -39,6 +39,7 @@ class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerBusyError as e:
             await self.worker.refuse_busy(context, e)
+        prompt_sent = False
         async for out in loop.stream(parsed.request_id):
             response = generate_pb2.GenerateResponse(
                 request_id=parsed.request_id,
@@ -46,6 +47,9 @@ class ColocatedServicer(generate_pb2_grpc.GenerateServiceServicer):
                 text=out.new_text,
                 logprobs=logprobs_to_proto(out.new_logprobs),
             )
+            if out.prompt_logprobs is not None and not prompt_sent:
+                response.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+                prompt_sent = True
             if out.finished:
                 response.finish_reason = out.finish_reason or "abort"
                 response.usage.CopyFrom(

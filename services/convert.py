@@ -44,6 +44,9 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         min_p=float(get("min_p")),  # type: ignore[arg-type]
         bad_words=list(sampling.bad_words),
         allowed_token_ids=list(sampling.allowed_token_ids),
+        prompt_logprobs=(
+            int(sampling.prompt_logprobs) if sampling.HasField("prompt_logprobs") else None
+        ),
     )
     try:
         return params.validate()
@@ -124,6 +127,8 @@ def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.seed = params.seed
     if params.logprobs is not None:
         proto.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        proto.prompt_logprobs = params.prompt_logprobs
     if params.structured is not None:
         proto.structured_output.CopyFrom(structured_to_proto(params.structured))
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
@@ -141,6 +146,7 @@ def logprobs_to_proto(logprobs: Iterable[TokenLogprobs]) -> list[generate_pb2.To
             token_id=lp.token_id,
             logprob=lp.logprob,
             top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank,
         )
         for lp in logprobs
     ]

@@ -34,6 +34,7 @@ from pdserve.services.coordinator.openai_protocol import ChatCompletionRequest, 
 from pdserve.services.coordinator.openai_responses import (
     Choice,
     CompletionFormat,
+    Echo,
     TokenTexts,
     error_body,
     sse,
@@ -173,6 +174,7 @@ class OpenAIServer:
             raise ValueError("served_models: give at least one model id")
         self.coordinator = coordinator
         self.tool_call_parser = tool_call_parser  # how chat output is read for tool calls
+        self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)
         self.served_models = served_models
         self.max_model_len = max_model_len
@@ -299,7 +301,12 @@ class OpenAIServer:
         request_id = self._request_id(request, body.request_id)
         for k, r in enumerate(requests):
             r.request_id = request_id if len(requests) == 1 else f"{request_id}-{k}"
-        fmt = CompletionFormat(chat, request_id, model, self.texts, tools)
+        echo = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            echo = Echo([self._prompt_text(p) for p in body.prompts() for _ in range(body.n)],
+                        body.echo_only)  # fmt: skip
+        fmt = CompletionFormat(chat, request_id, model, self.texts, tools, echo,
+                               body.prompt_logprobs is not None)  # fmt: skip
         want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         headers = {"X-Request-Id": request_id}
         stream = merge(
@@ -325,6 +332,10 @@ class OpenAIServer:
             raise api_error(e) from None
         events = self._events(first, stream, fmt, body, want_logprobs, len(requests))
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """What `echo` puts before a completion: the prompt as sent, token ids as text."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     async def _respond(self, body: ResponsesRequest, request: Request) -> Response:
         """`/v1/responses` (`responses_api.py`): one request, on the path a chat takes."""
@@ -399,6 +410,8 @@ def responses_error(e: RequestFailed | InvalidRequestError) -> ApiError:
 def record(choice: Choice, response: generate_pb2.GenerateResponse) -> None:
     choice.text += response.text
     choice.logprobs.extend(response.logprobs)
+    choice.prompt_token_ids.extend(response.prompt_token_ids)
+    choice.prompt_logprobs.extend(response.prompt_logprobs)
     if response.finish_reason:
         choice.finish_reason = response.finish_reason
         choice.usage = response.usage

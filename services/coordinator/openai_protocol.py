@@ -6,9 +6,9 @@ coordinator's request path (one per choice). Types are checked here; ranges are 
 the same code as the gRPC API's, so both refuse a bad value with the same words.
 
 Choices we made where the API leaves room: unknown fields are ignored (as OpenAI's own
-server does); known fields that would change the output and are not implemented (echo,
-best_of, suffix, legacy `functions`, audio, prompt_logprobs, vLLM's beam search and
-template controls: `NOT_IMPLEMENTED`) are refused when set to anything but their neutral
+server does); known fields that would change the output and are not implemented (a chat's
+echo, best_of, suffix, legacy `functions`, audio, vLLM's beam search and template
+controls: `NOT_IMPLEMENTED`) are refused when set to anything but their neutral
 value, naming the field; `n`
 choices run as n requests, and with a `seed` choice i uses `seed + i`. Every number is
 checked against its protobuf field's range and every string for UTF-8 before the message is
@@ -99,6 +99,8 @@ class _SamplingFields(BaseModel):
     min_p: float | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: every prompt token's log-probability and this many alternatives (not streamed).
+    prompt_logprobs: int | None = None
 
     # Known fields that would change the output and are not implemented: refused unless
     # at their neutral value (unknown fields are ignored, as OpenAI's server does).
@@ -108,14 +110,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
         "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
-        "prompt_logprobs": (None,), "logits_processors": (None, []),
+        "logits_processors": (None, []),
         "return_tokens_as_token_ids": (None, False),
     }  # fmt: skip
 
@@ -126,6 +127,21 @@ class _SamplingFields(BaseModel):
                 raise InvalidRequestError(name, "is not supported by this server")
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError("n", f"must be between 1 and {MAX_CHOICES}, got {self.n}")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    "prompt_logprobs",
+                    f"must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
+                )
+            if self.stream:
+                raise InvalidRequestError(
+                    "prompt_logprobs", "is not available when streaming (stream: true)"
+                )
+
+    def _prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt position's log-probabilities carry (None: no
+        prompt logprobs are computed)."""
+        return self.prompt_logprobs
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, choice: int) -> Any:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -145,6 +161,7 @@ class _SamplingFields(BaseModel):
             ("top_p", self.top_p),
             ("top_k", self.top_k),
             ("logprobs", logprobs),
+            ("prompt_logprobs", self._prompt_logprobs()),
         ):
             if value is not None:
                 setattr(sampling, name, value)
@@ -329,11 +346,22 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt alone (how evaluation harnesses score
+        one): one token is generated and dropped, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def to_generate_requests(self) -> list[generate_pb2.GenerateRequest]:
         """Prompt-major: request k is prompt k // n, choice k % n."""
         self._refuse_unsupported()
-        if self.echo:
-            raise InvalidRequestError("echo", "is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens", "must be at least 1 (0 only with echo)")
         if self.suffix:
             raise InvalidRequestError("suffix", "is not supported by this server")
         if self.best_of not in (None, 1, self.n):
@@ -351,8 +379,9 @@ class CompletionRequest(_SamplingFields):
         requests = []
         for p in prompts:
             for choice in range(self.n):
+                max_tokens = 1 if self.echo_only else self.max_tokens
                 request = generate_pb2.GenerateRequest(
-                    sampling=self._sampling(self.max_tokens, self.logprobs, choice)
+                    sampling=self._sampling(max_tokens, self.logprobs, choice)
                 )
                 if isinstance(p, str):
                     if not p:

@@ -67,6 +67,18 @@ class Choice:
     finish_reason: str | None = None
     usage: generate_pb2.Usage | None = None
     logprobs: list[generate_pb2.TokenLogprobs] = field(default_factory=list)
+    # With prompt logprobs: the prompt's ids and its tokens' entries (token i + 1's at i).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[generate_pb2.TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: each choice's text starts with its prompt's (`prompts[k]` is
+    choice k's); `only`: `max_tokens: 0`, the prompt alone."""
+
+    prompts: list[str]
+    only: bool
 
 
 def usage_dict(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -77,6 +89,10 @@ def usage_dict(choices: list[Choice], n: int) -> dict[str, Any]:
     prompt = sum(u.prompt_tokens for u in firsts)  # type: ignore[union-attr]
     cached = sum(u.cached_tokens for u in firsts)  # type: ignore[union-attr]
     completion = sum(c.usage.completion_tokens for c in done)  # type: ignore[union-attr]
+    return _usage(prompt, completion, cached)
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -95,8 +111,12 @@ class CompletionFormat:
         model: str,
         texts: TokenTexts,
         tools: ToolPlan | None = None,
+        echo: Echo | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.chat = chat
+        self.echo = echo  # completions only
+        self.prompt_logprobs = prompt_logprobs  # the client asked for vLLM's field
         self.tools = tools  # a chat request's tools: its output is read for calls
         self.tool_streams: dict[int, ToolStream] = {}
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -112,10 +132,26 @@ class CompletionFormat:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def logprobs(self, index: int, entries: list[generate_pb2.TokenLogprobs]) -> Any:
+    def logprobs(
+        self,
+        index: int,
+        entries: list[generate_pb2.TokenLogprobs],
+        prompt: Choice | None = None,
+    ) -> Any:
+        """The choice's log-probabilities in the endpoint's shape; a completion that echoes
+        its prompt (`prompt`: the choice, holding the prompt's entries) starts with the
+        prompt's tokens, the first of which has none."""
         if self.chat:
             return {"content": [self._chat_logprob(e) for e in entries]}
-        tokens = [self.texts(e.token_id) for e in entries]
+        ids = [e.token_id for e in entries]
+        values: list[float | None] = [e.logprob for e in entries]
+        tops: list[dict[str, float] | None] = [self._top(e) for e in entries]
+        if prompt is not None and prompt.prompt_token_ids:
+            given = prompt.prompt_logprobs
+            ids = prompt.prompt_token_ids + ids
+            values = [None] + [e.logprob for e in given] + values
+            tops = [None] + [self._top(e) for e in given] + tops
+        tokens = [self.texts(t) for t in ids]
         offsets = []
         offset = self.offsets.get(index, 0)
         for t in tokens:
@@ -124,10 +160,29 @@ class CompletionFormat:
         self.offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.texts(t.token_id): t.logprob for t in e.top} for e in entries],
+            "token_logprobs": values,
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def _top(self, entry: generate_pb2.TokenLogprobs) -> dict[str, float]:
+        return {self.texts(t.token_id): t.logprob for t in entry.top}
+
+    def vllm_prompt_logprobs(self, choice: Choice) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map
+        from token id to its logprob, rank and text: the prompt's token and the best ones."""
+        out: list[dict[str, Any] | None] = [None]
+        for entry in choice.prompt_logprobs:
+            step = {str(entry.token_id): self._vllm_entry(entry.token_id, entry.logprob,
+                                                          entry.rank)}  # fmt: skip
+            for rank, top in enumerate(entry.top, start=1):
+                step.setdefault(str(top.token_id), self._vllm_entry(top.token_id, top.logprob,
+                                                                    rank))  # fmt: skip
+            out.append(step)
+        return out
+
+    def _vllm_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.texts(token_id)}
 
     def _chat_logprob(self, entry: generate_pb2.TokenLogprobs) -> dict[str, Any]:
         def one(token_id: int, logprob: float) -> dict[str, Any]:
@@ -157,14 +212,27 @@ class CompletionFormat:
             choice["delta"] = delta
         else:
             choice["text"] = response.text
-        choice["logprobs"] = (
-            self.logprobs(index, list(response.logprobs)) if want_logprobs else None
-        )
+        entries = list(response.logprobs)
+        if self.echo is not None:
+            if self.echo.only:  # the one token generated is dropped
+                choice["text"], entries = "", []
+                finish_reason = "length" if finish_reason else None
+            if first:
+                choice["text"] = self.echo.prompts[index] + choice["text"]
+        echoed = self._echoed(response) if first else None
+        choice["logprobs"] = self.logprobs(index, entries, echoed) if want_logprobs else None
         choice["finish_reason"] = finish_reason
         out = {**self._head(chunk=True), "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
+
+    def _echoed(self, response: generate_pb2.GenerateResponse) -> Choice | None:
+        """A first chunk's prompt entries, when the completion echoes its prompt."""
+        if self.echo is None or not response.prompt_token_ids:
+            return None
+        return Choice(-1, prompt_token_ids=list(response.prompt_token_ids),
+                      prompt_logprobs=list(response.prompt_logprobs))  # fmt: skip
 
     def _tool_delta(
         self, index: int, delta: dict[str, Any], response: generate_pb2.GenerateResponse
@@ -201,7 +269,22 @@ class CompletionFormat:
                         finish_reason = "tool_calls" if c.finish_reason == "stop" else finish_reason
             else:
                 entry["text"] = c.text
-            entry["logprobs"] = self.logprobs(c.index, c.logprobs) if want_logprobs else None
+            entries, echoed = c.logprobs, None
+            if self.echo is not None:
+                if self.echo.only:
+                    entry["text"], entries, finish_reason = "", [], "length"
+                entry["text"] = self.echo.prompts[c.index] + entry["text"]
+                echoed = c
+            entry["logprobs"] = self.logprobs(c.index, entries, echoed) if want_logprobs else None
             entry["finish_reason"] = finish_reason
+            if self.prompt_logprobs and not self.chat:
+                entry["prompt_logprobs"] = self.vllm_prompt_logprobs(c)
             out.append(entry)
-        return {**self._head(chunk=False), "choices": out, "usage": usage_dict(choices, n)}
+        usage = usage_dict(choices, n)
+        if self.echo is not None and self.echo.only:  # nothing generated that counts
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            usage = _usage(usage["prompt_tokens"], 0, cached)
+        body = {**self._head(chunk=False), "choices": out, "usage": usage}
+        if self.prompt_logprobs and self.chat:  # vLLM: one list for the request's prompt
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0])
+        return body

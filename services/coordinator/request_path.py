@@ -224,8 +224,12 @@ class Coordinator:
             span.set_attribute("pdserve.request_id", parsed.request_id)
             timer.request_id = parsed.request_id
             path = self._colocated if self.colocated is not None else self._disaggregated
+            echo_prompt = parsed.params.prompt_logprobs is not None
             try:
                 async for response in path(parsed, timeout, timer):
+                    if echo_prompt:  # the first response says what the logprobs are of
+                        response.prompt_token_ids.extend(parsed.token_ids)
+                        echo_prompt = False
                     timer.on_tokens(len(response.token_ids))
                     if response.finish_reason:
                         finished = True
@@ -409,6 +413,7 @@ class Coordinator:
         )
         if prefilled.HasField("first_logprobs"):
             first.logprobs.append(prefilled.first_logprobs)
+        first.prompt_logprobs.extend(prefilled.prompt_logprobs)
         if prefilled.finish_reason:
             first.finish_reason = prefilled.finish_reason
             yield first, prefilled.cached_tokens

@@ -82,6 +82,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
             if final.new_logprobs:
                 response.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs)[0])
+            if final.prompt_logprobs is not None:
+                response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
             if final.finish_reason is None:  # PREFILLED: hand the blocks off
                 response.kv_handle.CopyFrom(handle_to_proto(self.sender.grant(req)))
             return response, req

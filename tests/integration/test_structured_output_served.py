@@ -2,10 +2,11 @@
 clients ask: the official `openai` client's `.parse()` with pydantic models,
 `response_format` json_schema and json_object, vLLM's `structured_outputs` and `guided_*`,
 the gRPC field, and `tools` with named, required and streamed tool choices and a round
-trip. Every output is checked by its validator (pydantic, `jsonschema`, the regex, the
-choice list); a greedy constrained request gives the same token ids split (1 prefill + 1
-decode) and colocated; bad constraints are 400 naming the client's field; no KV block
-leaks."""
+trip; and prompt log-probabilities as evaluation harnesses ask for them (`echo` with
+`logprobs` and `max_tokens: 0`, vLLM's `prompt_logprobs`). Every output is checked by its
+validator (pydantic, `jsonschema`, the regex, the choice list); a greedy constrained request
+gives the same token ids split (1 prefill + 1 decode) and colocated, and so do prompt
+logprobs; bad constraints are 400 naming the client's field; no KV block leaks."""
 
 from __future__ import annotations
 
@@ -275,3 +276,70 @@ def test_a_tool_round_trip_ends_in_an_answer(client, model):
     ).choices[0]  # fmt: skip
     assert answer.message.content and not answer.message.tool_calls
     assert answer.finish_reason in ("stop", "length")
+
+
+ECHO_PROMPT = "The capital of France is"
+
+
+def test_echo_with_logprobs_scores_the_prompt_split_and_colocated(clusters, model):
+    """An evaluation harness's request: `echo`, `logprobs`, `max_tokens: 0`."""
+    free = {role: clusters[role].free_blocks() for role in ("prefill", "decode")}
+    scored = {}
+    for name in ("split", "together"):
+        out = _client(clusters[name]).completions.create(
+            model=model, prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=0,
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.text == ECHO_PROMPT and choice.finish_reason == "length"
+        assert out.usage.completion_tokens == 0
+        lp = choice.logprobs
+        assert len(lp.tokens) == out.usage.prompt_tokens > 1
+        assert "".join(lp.tokens) == ECHO_PROMPT
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        scored[name] = lp.token_logprobs
+    assert scored["split"] == scored["together"]  # the same bits, whichever worker computed
+
+    # With generated tokens: the prompt's entries, then the completion's, as without echo.
+    client = _client(clusters["split"])
+    kwargs = dict(model=model, prompt=ECHO_PROMPT, logprobs=1, max_tokens=4, temperature=0)
+    echoed = client.completions.create(echo=True, **kwargs).choices[0]
+    plain = client.completions.create(**kwargs).choices[0]
+    assert echoed.text == ECHO_PROMPT + plain.text
+    assert echoed.logprobs.token_logprobs[: len(scored["split"])] == scored["split"]
+    assert echoed.logprobs.token_logprobs[len(scored["split"]) :] == plain.logprobs.token_logprobs
+
+    streamed = client.completions.create(
+        model=model, prompt=ECHO_PROMPT, echo=True, max_tokens=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == ECHO_PROMPT
+    assert wait_idle(clusters, free) == free
+
+
+def test_vllm_prompt_logprobs_on_chat_and_completions(clusters, client, model):
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        temperature=0, extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == chat.usage.prompt_tokens
+    for step in entries[1:]:
+        ranks = sorted(v["rank"] for v in step.values())
+        assert {1, 2, 3} <= set(ranks) and all(v["logprob"] <= 0 for v in step.values())
+        assert len(step) in (3, 4)  # the prompt's token, and the best three
+    text = client.completions.create(
+        model=model, prompt=ECHO_PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    ).choices[0]
+    assert len(text.model_extra["prompt_logprobs"]) > 1
+    assert all(len(step) == 1 for step in text.model_extra["prompt_logprobs"][1:])
+
+    for body, field in (
+        ({"prompt": ECHO_PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({"prompt": ECHO_PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": ECHO_PROMPT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ):
+        status, _, reply = post(clusters["split"].info["http"], "/v1/completions",
+                                {"model": model, **body})  # fmt: skip
+        assert status == 400 and reply["error"]["param"] == field, reply
