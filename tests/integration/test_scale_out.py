@@ -1,14 +1,16 @@
 """Scale-out on real processes: 2 prefill + 2 decode workers behind one coordinator, the
 default model. Prefix-aware routing keeps a conversation on the prefill worker that caches
 it (read from the workers' own counters, against round-robin); `kill -9` of a decode or a
-prefill worker with 16 streams in flight (half greedy, half seeded sampling) loses no
-request and changes no token and no character of text; a
+prefill worker with 16 streams in flight (half greedy, half seeded sampling; half of each
+held to a JSON schema, whose grammar state the new leg rebuilds) loses no request and changes
+no token and no character of text; a
 worker started again later is picked up and used."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import signal
 import socket
 import threading
@@ -25,6 +27,18 @@ pytestmark = pytest.mark.slow
 
 WORKER_ARGS = ["--kv-cache-tokens", "8192", "--threads", "1"]
 MAX_TOKENS = 40
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 30}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def constrained(question: str) -> bool:
+    """Streams numbered 2 and 3 mod 4 (one greedy, one seeded) are held to `ANSWER`."""
+    number = question.rstrip(")").rsplit("(", 1)[-1]
+    return number.isdigit() and int(number) % 4 in (2, 3)
 
 
 def free_port() -> int:
@@ -65,6 +79,8 @@ def generate(address: str, question: str, max_tokens: int = MAX_TOKENS) -> tuple
         )
         if seeded:
             sampling.temperature, sampling.seed = 0.8, int(number)
+        if constrained(question):
+            sampling.structured_output.json_schema = json.dumps(ANSWER)
         request = generate_pb2.GenerateRequest(
             messages=[generate_pb2.ChatMessage(role="user", content=question)],
             sampling=sampling,
@@ -84,7 +100,9 @@ def streams_with_a_kill(cluster, victim: str, when, stop=None) -> tuple[list, li
         deadline = time.monotonic() + 120
         while not when(services) and time.monotonic() < deadline:
             time.sleep(0.05)
+        held = when(services)  # the fault must hit the phase the test names
         (stop or (lambda service: service.kill()))(services[victim])
+        assert held, f"{victim} was stopped before the streams reached the named phase"
         return [f.result() for f in futures], questions
 
 
@@ -120,6 +138,8 @@ def test_decode_worker_killed_mid_stream(cluster, reference):
     outs, questions = streams_with_a_kill(cluster, "d0", decoding_on_both)
     for q, out in zip(questions, outs, strict=True):
         assert out == reference[q], q
+        if constrained(q) and len(out[0]) < MAX_TOKENS:  # a complete structure
+            assert set(json.loads(out[1])) == {"answer"}, out[1]
     coordinator = cluster["services"]["coordinator"]
     assert coordinator.metric("pdserve_request_failure_total") == 0
     restart(cluster, "d0")
