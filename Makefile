@@ -36,6 +36,7 @@ help:
 	@echo "make bench-tracing - what tracing costs a request, off and on (timed loop + two live systems)"
 	@echo "make gpu-check   - the GPU check on this host's device (its CPU dry run where there is no GPU), JSON"
 	@echo "make gpu-payload - .gpu-payload/: the wheels, tokenizer and stubs a GPU machine without network needs"
+	@echo "make docs    - the docs site (MkDocs, Material) into site/"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
 install: $(STAMP) $(HELM) $(PROMTOOL)
@@ -109,6 +110,15 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	cd protos && ../$(VENV)/bin/buf lint
+# The docs site, strict: a broken link or a missing page fails (built aside, then dropped;
+# not --quiet, which hides the warnings --strict counts).
+	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
+		NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"
+
+# The docs site into site/ (`.venv/bin/mkdocs serve` serves it while editing).
+.PHONY: docs
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 format: install
 	$(VENV)/bin/ruff format .

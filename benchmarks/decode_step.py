@@ -14,8 +14,8 @@ fast path). The step's FLOPs are its dense layers' (2 per weight per row) and it
 attention's (QK and PV: 4 per query element per context token per layer, the attention term
 of the usual 2N + 2·layers·context·d_attn per token); `step_over_floor` is the step's time
 over the larger of the two floors (issue target: within 1.5x at batch 1, 16 and 64), and
-`step_over_dense_floor` the same with the dense FLOPs alone, as every scorecard up to
-`benchmarks/results/targets-avx2-zen3-2026-12-07` computed it. `floors_beside_each_step`
+`step_over_dense_floor` the same with the dense FLOPs alone, as the scorecards up to the
+first Zen 3 run of 2026-12-07 computed it. `floors_beside_each_step`
 does the same for the invariant path with rates probed right after each timed step (Probe),
 the median of the per-step ratios: on a shared host the rates drift by a third within
 minutes, and the whole run's rates come from other minutes than the steps (`make

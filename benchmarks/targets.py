@@ -81,7 +81,7 @@ def score_decode(report: dict | None) -> list[dict]:
     """The invariant path's steps over the floors probed beside each step where the report
     has them (`floors_beside_each_step`), else over the whole run's (`floors`, also given as
     `whole_run_figure`); `dense_floor_figure` is the figure against the dense FLOPs alone
-    (the compute floor without attention's, as scored up to targets-avx2-zen3-2026-12-07)."""
+    (the compute floor without attention's, as scored up to the first Zen 3 run of 2026-12-07)."""
     whole = (report or {}).get("floors", {}).get("invariant", {})
     beside = (report or {}).get("floors_beside_each_step") or whole
     rows = []
@@ -217,7 +217,8 @@ def parse_args() -> argparse.Namespace:
         "--out-dir",
         type=Path,
         help="where each benchmark's JSON and log go "
-        f"(default: benchmarks/results/targets-<isa class>-{today})",
+        f"(default: benchmarks/results/<isa class>/{today}-targets; the docs cite a run from "
+        "benchmarks/results/<host class>/, e.g. avx2-zen3/)",
     )
     p.add_argument(
         "--only",
@@ -263,7 +264,7 @@ def parse_args() -> argparse.Namespace:
     if args.tpot_rate not in [float(r) for r in args.rates.split(",")]:
         p.error(f"--tpot-rate {args.tpot_rate:g} is not one of --rates {args.rates}")
     if args.out_dir is None:
-        args.out_dir = HERE / "results" / f"targets-{isa_class()}-{today}"
+        args.out_dir = HERE / "results" / isa_class() / f"{today}-targets"
     return args
 
 
