@@ -40,11 +40,8 @@ from pdserve.services.coordinator.openai_responses import (
     sse,
 )
 from pdserve.services.coordinator.request_path import Coordinator, RequestFailed
-from pdserve.services.coordinator.responses_api import (
-    ResponseObjects,
-    ResponsesRequest,
-    client_words,
-)
+from pdserve.services.coordinator.responses_api import ResponsesRequest, client_words
+from pdserve.services.coordinator.responses_events import ResponseObjects
 from pdserve.services.coordinator.tool_calls import DEFAULT_PARSER
 from pdserve.v1 import generate_pb2
 
@@ -341,11 +338,12 @@ class OpenAIServer:
         """`/v1/responses` (`responses_api.py`): one request, on the path a chat takes."""
         model = self._model(request, body.model)
         try:
-            generate = body.to_generate_request()
+            plan = body.tool_plan(self.tool_call_parser)
+            generate = body.to_generate_request(plan)
         except InvalidRequestError as e:
             raise responses_error(e) from None
         generate.request_id = self._request_id(request, None)
-        objects = ResponseObjects(body, generate.request_id, model)
+        objects = ResponseObjects(body, generate.request_id, model, plan)
         headers = {"X-Request-Id": generate.request_id}
         stream = self.coordinator.generate(generate, request.headers.items(), fill_context=True)
         if not body.stream:

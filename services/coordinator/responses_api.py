@@ -1,10 +1,9 @@
 """`POST /v1/responses`, OpenAI's Responses API, served without storing anything: the
 request's fields become one `GenerateRequest` of chat messages (the chat template applied on
-the request path, as for `/v1/chat/completions`), and its `GenerateResponse`s become one
-`response` object or the API's server-sent events, `response.created` through
-`response.completed`, each numbered by `sequence_number`. The route around this (auth, the
-model check, the request id, cancellation when the client leaves, error statuses) is the
-chat route's own (`http_api.py`).
+the request path, as for `/v1/chat/completions`); `responses_events.py` turns its
+`GenerateResponse`s into the `response` object or the API's server-sent events. The route
+around this (auth, the model check, the request id, cancellation when the client leaves,
+error statuses) is the chat route's own (`http_api.py`).
 
 Choices where the API leaves room:
 - Nothing is stored. `store: false` is served, and so is a request without `store` (OpenAI's
@@ -16,19 +15,23 @@ Choices where the API leaves room:
   `input_text` / `output_text` parts as content.
 - `text.format` `json_object` / `json_schema` is the same constraint as chat's
   `response_format` (`structured_request.py`), its errors naming `text.format.<field>`.
+- Function tools are chat's (`tool_calls.py`) in this API's flat shape: `tools` of
+  `{"type": "function", "name", "description", "parameters"}`, `tool_choice` none / auto /
+  required / `{"type": "function", "name"}`, `parallel_tool_calls`; `function_call` input
+  items become an assistant turn's calls and `function_call_output` items tool turns. Calls
+  come out as `function_call` output items (after a message item when there is text too),
+  streamed as `response.function_call_arguments.delta` / `.done` once the output ends.
+  Other tool types (built-in tools: web search, file search, computer use, MCP) are refused
+  naming `tools[i].type`.
 - Refused with a 400 naming the field unless neutral, as they would change the output and
-  are not implemented: `tools` and function-call input items (tool calling is not supported
-  yet), `tool_choice` other than none / auto, `include`, `reasoning`, `top_logprobs`,
-  `truncation: auto`, `text.verbosity` other than medium.
-- Accepted: `metadata` and `user` (echoed), `parallel_tool_calls` and `max_tool_calls`
-  (no tools, so no effect), `stream_options.include_obfuscation` (deltas carry no
+  are not implemented: `include`, `reasoning`, `top_logprobs`, `truncation: auto`,
+  `text.verbosity` other than medium.
+- Accepted: `metadata` and `user` (echoed), `max_tool_calls` (it bounds built-in tools'
+  calls: there are none), `stream_options.include_obfuscation` (deltas carry no
   obfuscation padding). Unknown fields are ignored, as elsewhere in this API."""
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -41,27 +44,18 @@ from pdserve.services.coordinator.openai_protocol import (
     _in_range,
     _utf8,
 )
-from pdserve.services.coordinator.openai_responses import Choice
-from pdserve.services.coordinator.request_path import RequestFailed
 from pdserve.services.coordinator.structured_request import structured_output
+from pdserve.services.coordinator.tool_calls import DEFAULT_PARSER, ToolPlan
 from pdserve.v1 import generate_pb2
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 STATELESS = "nothing is stored by this server; send the whole conversation as input"
-NOT_YET = "tool calling is not supported yet by /v1/responses"
-ITEMS_REFUSED = {
-    "function_call": NOT_YET,
-    "function_call_output": NOT_YET,
-    "item_reference": f"refers to a stored item: {STATELESS}",
-}
+ITEMS_REFUSED = {"item_reference": f"refers to a stored item: {STATELESS}"}
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 # A request-path field (as `http_api.api_error` names it) as this endpoint's client spelled it.
 CLIENT_FIELDS = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
                  "structured_output": "text.format"}  # fmt: skip
-# An error's `type` (OpenAI's error shape) as a failed response's `error.code`.
-FAILED_CODES = {"rate_limit_error": "rate_limit_exceeded",
-                "invalid_request_error": "invalid_prompt"}  # fmt: skip
 
 
 def _shown(value: Any) -> str:
@@ -96,20 +90,44 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     background: bool | None = None
-    # Not implemented: accepted only at their neutral values.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = None  # bounds built-in tools' calls: none here, no effect
+    # Not implemented: accepted only at their neutral values.
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     top_logprobs: int | None = None
     truncation: str | None = None
 
-    def to_generate_request(self) -> generate_pb2.GenerateRequest:
+    def tool_plan(self, parser: str = DEFAULT_PARSER) -> ToolPlan | None:
+        """Chat's plan for this request's function tools (`tool_calls.py`), its errors in
+        this API's field names."""
+        tools = None
+        if self.tools is not None:
+            tools = [_chat_tool(i, tool) for i, tool in enumerate(self.tools)]
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function":
+                raise InvalidRequestError("tool_choice.type", 'only "function" is supported')
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        try:
+            return ToolPlan.from_request(tools, choice, self.parallel_tool_calls, parser)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(e.field.replace(".function.", "."), e.message) from None
+
+    def to_generate_request(self, plan: ToolPlan | None = None) -> generate_pb2.GenerateRequest:
         self._refuse_unsupported()
         self._check_echoed()
-        messages = []
+        if (
+            plan is not None
+            and plan.constraint is not None
+            and self.text_format != {"type": "text"}
+        ):
+            raise InvalidRequestError(
+                "tool_choice", "a required or named tool choice is a constraint of its own"
+            )
+        messages: list[generate_pb2.ChatMessage] = []
         if self.instructions is not None:
             content = _utf8("instructions", self.instructions)
             messages.append(generate_pb2.ChatMessage(role="system", content=content))
@@ -119,7 +137,8 @@ class ResponsesRequest(BaseModel):
         elif not self.input:
             raise InvalidRequestError("input", "must not be empty")
         else:
-            messages.extend(_message(i, item) for i, item in enumerate(self.input))
+            for i, item in enumerate(self.input):
+                _add_item(messages, i, item)
         sampling = generate_pb2.SamplingParams()
         if self.max_output_tokens is not None:
             _in_range("max_output_tokens", self.max_output_tokens, 1, UINT32_MAX)
@@ -133,7 +152,12 @@ class ResponsesRequest(BaseModel):
         constraint = _text_format(self.text_format)
         if constraint is not None:
             sampling.structured_output.CopyFrom(constraint)
-        return generate_pb2.GenerateRequest(messages=messages, sampling=sampling)
+        request = generate_pb2.GenerateRequest(messages=messages, sampling=sampling)
+        if plan is not None:
+            request.tools.extend(plan.tools)
+            if plan.constraint is not None:
+                request.sampling.structured_output.CopyFrom(plan.constraint)
+        return request
 
     @property
     def text_format(self) -> dict[str, Any]:
@@ -150,8 +174,6 @@ class ResponsesRequest(BaseModel):
              "send the text as instructions and input"),
             ("background", self.background is True,
              "background responses need stored responses, which this server does not keep"),
-            ("tools", bool(self.tools), NOT_YET),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto"), NOT_YET),
             ("include", bool(self.include), "is not supported by this server"),
             ("reasoning", not _neutral_reasoning(self.reasoning),
              "is not supported by this server (no reasoning model is served)"),
@@ -188,6 +210,50 @@ def _neutral_reasoning(reasoning: dict[str, Any] | None) -> bool:
     return given in ({}, {"effort": "none"})
 
 
+def _chat_tool(i: int, tool: Any) -> Any:
+    """A Responses function tool (flat) in chat's shape (`{"type", "function": {...}}`)."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise InvalidRequestError(
+            f"tools[{i}].type", f'only "function" tools are supported, got {_shown(kind)}'
+        )
+    keys = ("name", "description", "parameters")
+    return {"type": "function", "function": {k: tool[k] for k in keys if k in tool}}
+
+
+def _add_item(messages: list[generate_pb2.ChatMessage], i: int, item: Any) -> None:
+    """Input item `i` onto `messages`: a message, a call the model made (joined to the
+    assistant turn before it, as a chat's `tool_calls`) or a call's output (a tool turn)."""
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise InvalidRequestError(where, "must be an object")
+    kind = item.get("type")
+    if kind == "function_call":
+        call = generate_pb2.ToolCall(
+            id=_text_field(item, "call_id", where), name=_text_field(item, "name", where),
+            arguments=_text_field(item, "arguments", where),
+        )  # fmt: skip
+        last = messages[-1] if messages else None
+        if last is None or last.role != "assistant" or (last.content and not last.tool_calls):
+            last = generate_pb2.ChatMessage(role="assistant")
+            messages.append(last)
+        last.tool_calls.append(call)
+    elif kind == "function_call_output":
+        messages.append(generate_pb2.ChatMessage(
+            role="tool", content=_text_field(item, "output", where),
+            tool_call_id=_text_field(item, "call_id", where),
+        ))  # fmt: skip
+    else:
+        messages.append(_message(i, item))
+
+
+def _text_field(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{where}.{key}", "must be a string")
+    return _utf8(f"{where}.{key}", value)
+
+
 def _message(i: int, item: dict[str, Any]) -> generate_pb2.ChatMessage:
     """Input item `i`, which must be a message with text content."""
     where = f"input[{i}]"
@@ -195,7 +261,10 @@ def _message(i: int, item: dict[str, Any]) -> generate_pb2.ChatMessage:
     if kind not in (None, "message"):
         why = ITEMS_REFUSED.get(kind) if isinstance(kind, str) else None
         raise InvalidRequestError(
-            f"{where}.type", why or f"only message items are supported, got {_shown(kind)}"
+            f"{where}.type",
+            why
+            or "only message, function_call and function_call_output items are "
+            f"supported, got {_shown(kind)}",
         )
     role = item.get("role")
     if role not in ROLES:
@@ -257,151 +326,3 @@ def client_words(param: str | None, message: str) -> tuple[str | None, str]:
     if message.startswith(f"{param}: "):
         message = f"{renamed}: {message.removeprefix(f'{param}: ')}"
     return renamed, message
-
-
-def sse(kind: str, payload: dict[str, Any]) -> bytes:
-    """One server-sent event, named as the Responses API names them."""
-    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
-def _usage(usage: generate_pb2.Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
-
-
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-class ResponseObjects:
-    """The `response` object and the stream's events for one request."""
-
-    def __init__(self, body: ResponsesRequest, request_id: str, model: str) -> None:
-        self.body = body
-        self.id = f"resp_{request_id}"
-        self.item_id = f"msg_{request_id}"
-        self.model = model
-        self.created_at = int(time.time())
-        self.sequence = 0
-
-    def response(
-        self,
-        status: str,
-        output: list[dict[str, Any]],
-        choice: Choice | None = None,
-        error: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        b = self.body
-        incomplete = None
-        if status == "incomplete" and choice is not None:
-            reason = choice.finish_reason
-            incomplete = {"reason": "max_output_tokens" if reason == "length" else reason}
-        fmt = b.text_format
-        if fmt.get("type") == "json_schema":  # echoed as checked, nothing else of it
-            fmt = {k: fmt[k] for k in ("type", "name", "description", "schema", "strict")
-                   if k in fmt}  # fmt: skip
-        else:
-            fmt = {"type": fmt.get("type")}
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "background": False,
-            "error": error,
-            "incomplete_details": incomplete,
-            "instructions": b.instructions,
-            "max_output_tokens": b.max_output_tokens,
-            "max_tool_calls": b.max_tool_calls,
-            "metadata": b.metadata or {},
-            "model": self.model,
-            "output": output,
-            "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": None,
-            "reasoning": None,
-            "store": False,
-            "temperature": b.temperature,
-            "text": {"format": fmt},
-            "tool_choice": b.tool_choice or "auto",
-            "tools": [],
-            "top_p": b.top_p,
-            "truncation": "disabled",
-            "usage": _usage(choice.usage) if choice is not None else None,
-            "user": b.user,
-        }
-
-    def message(self, status: str, text: str | None) -> dict[str, Any]:
-        return {
-            "id": self.item_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": [] if text is None else [_part(text)],
-        }
-
-    def final(self, choice: Choice) -> dict[str, Any]:
-        status = "completed" if choice.finish_reason in (None, "stop") else "incomplete"
-        return self.response(status, [self.message(status, choice.text)], choice)
-
-    def event(self, kind: str, **fields: Any) -> bytes:
-        payload = {"type": kind, **fields, "sequence_number": self.sequence}
-        self.sequence += 1
-        return sse(kind, payload)
-
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-
-    async def events(
-        self,
-        first: generate_pb2.GenerateResponse,
-        rest: AsyncIterator[generate_pb2.GenerateResponse],
-        error_of: Callable[[RequestFailed], dict[str, Any]],
-    ) -> AsyncIterator[bytes]:
-        """The stream's events, from the request's first response (already in hand) and
-        the rest; `error_of` gives a failure's OpenAI error (message, type, param, code).
-        A failure ends the stream with an `error` event and `response.failed`."""
-        choice = Choice(0)
-        yield self.event("response.created", response=self.response("in_progress", []))
-        yield self.event("response.in_progress", response=self.response("in_progress", []))
-        yield self.event(
-            "response.output_item.added", output_index=0, item=self.message("in_progress", None)
-        )
-        yield self.event("response.content_part.added", **self._where(), part=_part(""))
-        try:
-            response: generate_pb2.GenerateResponse | None = first
-            while response is not None:
-                choice.text += response.text
-                if response.finish_reason:
-                    choice.finish_reason, choice.usage = response.finish_reason, response.usage
-                if response.text:  # empty: text held back (it may begin a stop string)
-                    yield self.event(
-                        "response.output_text.delta", **self._where(), delta=response.text,
-                        logprobs=[],
-                    )  # fmt: skip
-                response = await anext(rest, None)
-        except RequestFailed as e:
-            error = error_of(e)
-            yield self.event("error", code=error["code"], message=error["message"],
-                             param=error["param"])  # fmt: skip
-            failed = {"code": FAILED_CODES.get(error["type"], "server_error"),
-                      "message": error["message"]}  # fmt: skip
-            yield self.event("response.failed", response=self.response("failed", [], None, failed))
-            return
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
-        final = self.final(choice)
-        item = final["output"][0]
-        yield self.event(
-            "response.output_text.done", **self._where(), text=choice.text, logprobs=[]
-        )
-        yield self.event("response.content_part.done", **self._where(), part=_part(choice.text))
-        yield self.event("response.output_item.done", output_index=0, item=item)
-        done = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield self.event(done, response=final)

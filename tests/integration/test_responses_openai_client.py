@@ -3,8 +3,10 @@ worker, the default model), called with the official `openai` client as newer SD
 it, `store=False`: the same greedy text and token counts as a chat completion of the same
 messages (with `instructions` as the system message), the stream's events in the API's order
 joining to that text, `text.format` json_schema output that validates, `max_output_tokens`
-ending the response incomplete, stateful and tool fields refused with a 400 naming them, and
-a client that leaves mid-stream freeing the request's KV blocks."""
+ending the response incomplete, function tools (a required call whose arguments validate, its
+streamed argument events, and a round trip through `function_call_output` to an answer),
+stateful fields and built-in tools refused with a 400 naming them, and a client that leaves
+mid-stream freeing the request's KV blocks."""
 
 from __future__ import annotations
 
@@ -166,8 +168,7 @@ def test_max_output_tokens_ends_incomplete(client, model):
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"store": True}, "store"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
-         "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x",
                               "schema": {"type": "objec"}}}}, "text.format.schema"),
@@ -179,6 +180,47 @@ def test_refusals_are_400_naming_the_field(client, model, fields, param):
     assert refused.value.status_code == 400
     assert refused.value.body["param"] == param, refused.value.body
     assert refused.value.body["message"].startswith(f"{param}: ")
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+           "required": ["city"], "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+          "parameters": WEATHER}]  # fmt: skip
+
+
+def test_function_tools_round_trip(client, model):
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    called = client.responses.create(
+        model=model, input=[question], tools=TOOLS, tool_choice="required", store=False,
+        parallel_tool_calls=False, temperature=0, max_output_tokens=80,
+    )  # fmt: skip
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert called.status == "completed" and len(calls) == 1, called.output
+    for call in calls:
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+    streamed = client.responses.create(
+        model=model, input=[question], tools=TOOLS, store=False, temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
+        stream=True,
+    )  # fmt: skip
+    events = list(streamed)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(calls[0].arguments)
+    assert events[-1].type == "response.completed"
+
+    history = [question] + [
+        {"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+        for c in calls
+    ] + [{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"}
+         for c in calls]  # fmt: skip
+    answer = client.responses.create(
+        model=model, input=history, tools=TOOLS, store=False, temperature=0,
+        max_output_tokens=40,
+    )  # fmt: skip
+    assert answer.output_text  # the model answers from the tool's output
+    assert answer.output[0].type == "message"
 
 
 def test_context_too_long_names_input(client, model):

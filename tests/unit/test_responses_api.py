@@ -22,20 +22,22 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.services.auth import ApiKeys
 from pdserve.services.coordinator.http_api import OpenAIServer
 from pdserve.services.coordinator.request_path import RequestFailed
-from pdserve.services.coordinator.responses_api import (
-    ResponseObjects,
-    ResponsesRequest,
-    client_words,
-)
+from pdserve.services.coordinator.responses_api import ResponsesRequest, client_words
+from pdserve.services.coordinator.responses_events import ResponseObjects
 from pdserve.v1 import generate_pb2
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 EVENT = TypeAdapter(ResponseStreamEvent)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+FUNCTION = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+            "parameters": WEATHER}  # fmt: skip
 USAGE = generate_pb2.Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
 
 
 def convert(**fields) -> generate_pb2.GenerateRequest:
-    return ResponsesRequest(**{"input": "hi", **fields}).to_generate_request()
+    """The request the route makes of these fields (its tools checked first)."""
+    body = ResponsesRequest(**{"input": "hi", **fields})
+    return body.to_generate_request(body.tool_plan())
 
 
 def messages(request: generate_pb2.GenerateRequest) -> list[tuple[str, str]]:
@@ -78,6 +80,35 @@ def test_text_format_becomes_the_chat_constraint() -> None:
     assert not convert(text={"format": {"type": "text"}}).sampling.HasField("structured_output")
 
 
+def test_function_tools_and_call_items_become_the_chat_request() -> None:
+    body = ResponsesRequest(
+        input=[
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+             "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "rain"},
+        ],
+        tools=[FUNCTION], tool_choice={"type": "function", "name": "get_weather"},
+    )  # fmt: skip
+    plan = body.tool_plan()
+    assert plan is not None and plan.mode == "named" and plan.name == "get_weather"
+    request = body.to_generate_request(plan)
+    assert [t.name for t in request.tools] == ["get_weather"]
+    assert json.loads(request.tools[0].parameters) == WEATHER
+    assert json.loads(request.sampling.structured_output.json_schema) == WEATHER
+    _, calls, out1, out2 = request.messages
+    assert calls.role == "assistant" and [(c.id, c.arguments) for c in calls.tool_calls] == [
+        ("call_1", '{"city": "Paris"}'), ("call_2", '{"city": "Rome"}')]  # fmt: skip
+    assert [(m.role, m.tool_call_id, m.content) for m in (out1, out2)] == [
+        ("tool", "call_1", "sunny"), ("tool", "call_2", "rain")]  # fmt: skip
+    auto = ResponsesRequest(input="hi", tools=[FUNCTION])
+    assert auto.tool_plan().mode == "auto"  # type: ignore[union-attr]
+    assert not auto.to_generate_request(auto.tool_plan()).sampling.HasField("structured_output")
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
@@ -86,7 +117,14 @@ def test_text_format_becomes_the_chat_constraint() -> None:
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"background": True}, "background"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": []}]}, "tools[0].parameters"),
+        ({"tools": [FUNCTION], "tool_choice": {"type": "function", "name": "g"}},
+         "tool_choice.name"),
+        ({"tools": [FUNCTION], "tool_choice": {"type": "web_search"}}, "tool_choice.type"),
+        ({"tools": [FUNCTION], "tool_choice": "required",
+          "text": {"format": {"type": "json_object"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
@@ -94,8 +132,9 @@ def test_text_format_becomes_the_chat_constraint() -> None:
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"input": []}, "input"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
-         "input[0].type"),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+         "input[0].arguments"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"type": {"x": 1}}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "1"}]}, "input[0].role"),
@@ -134,9 +173,6 @@ def test_stateful_refusals_say_nothing_is_stored() -> None:
         with pytest.raises(InvalidRequestError) as e:
             convert(**fields)
         assert "stored" in e.value.message, e.value
-    with pytest.raises(InvalidRequestError) as e:
-        convert(tools=[{"type": "function", "name": "f"}])
-    assert "not supported yet" in e.value.message
 
 
 def test_neutral_values_are_accepted() -> None:
@@ -200,7 +236,7 @@ class StandIn:
 
 
 def run_events(body: ResponsesRequest, stand_in: StandIn) -> list[dict]:
-    objects = ResponseObjects(body, "r1", "m")
+    objects = ResponseObjects(body, "r1", "m", body.tool_plan())
 
     async def go() -> list[bytes]:
         stream = stand_in.stream()
@@ -274,6 +310,40 @@ def test_a_failure_mid_stream_ends_with_error_and_failed() -> None:
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert stand_in.closed
+
+
+def test_calls_come_out_as_function_call_items() -> None:
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = ResponsesRequest(input="Weather in Paris?", tools=[FUNCTION])
+    # Calls alone: no message item.
+    stand_in = StandIn([generate_pb2.GenerateResponse(text=call[:20]),
+                        generate_pb2.GenerateResponse(text=call[20:], finish_reason="stop",
+                                                      usage=USAGE)])  # fmt: skip
+    events = run_events(body, stand_in)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    for event in events:
+        check_sdk_types(event)
+    (item,) = events[-1]["response"]["output"]
+    assert item["type"] == "function_call" and item["name"] == "get_weather"
+    assert json.loads(item["arguments"]) == {"city": "Paris"}
+    assert events[-2]["item"] == item and item["call_id"].startswith("call_")
+    # Text, then a call: the message item first, then the call's.
+    stand_in = StandIn([generate_pb2.GenerateResponse(text="Let me check. "),
+                        generate_pb2.GenerateResponse(text=call, finish_reason="stop",
+                                                      usage=USAGE)])  # fmt: skip
+    events = run_events(body, stand_in)
+    for event in events:
+        check_sdk_types(event)
+    message, item = events[-1]["response"]["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == "Let me check."
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["type"]) for e in added] == [
+        (0, "message"), (1, "function_call")]  # fmt: skip
+    assert events[-1]["response"]["tools"] == [FUNCTION]
 
 
 # ---- the route ----------------------------------------------------------------------------
