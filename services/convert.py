@@ -47,6 +47,7 @@ def params_from_proto(sampling: generate_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=(
             int(sampling.prompt_logprobs) if sampling.HasField("prompt_logprobs") else None
         ),
+        skip_special_tokens=bool(get("skip_special_tokens")),
     )
     try:
         return params.validate()
@@ -129,6 +130,8 @@ def params_to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         proto.prompt_logprobs = params.prompt_logprobs
+    if not params.skip_special_tokens:
+        proto.skip_special_tokens = False
     if params.structured is not None:
         proto.structured_output.CopyFrom(structured_to_proto(params.structured))
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):

@@ -101,20 +101,20 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     # vLLM's: every prompt token's log-probability and this many alternatives (not streamed).
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output
 
     # Known fields that would change the output and are not implemented: refused unless
     # at their neutral value (unknown fields are ignored, as OpenAI's server does).
     use_beam_search: Any = None
     length_penalty: Any = None
     include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     NOT_IMPLEMENTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-        "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+        "include_stop_str_in_output": (None, False),
         "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
         "logits_processors": (None, []),
         "return_tokens_as_token_ids": (None, False),
@@ -165,6 +165,8 @@ class _SamplingFields(BaseModel):
         ):
             if value is not None:
                 setattr(sampling, name, value)
+        if not self.skip_special_tokens:
+            sampling.skip_special_tokens = False
         if self.seed is not None:
             if not 0 <= self.seed < 2**63:
                 raise InvalidRequestError("seed", f"must be in [0, 2^63), got {self.seed}")
@@ -323,6 +325,9 @@ class ChatCompletionRequest(_SamplingFields):
             request = generate_pb2.GenerateRequest(messages=messages, sampling=sampling)
             if plan is not None:
                 request.tools.extend(plan.tools)
+                if plan.parser == "mistral" and plan.mode == "auto":
+                    # Its calls begin with the special token [TOOL_CALLS] (as vLLM does).
+                    request.sampling.skip_special_tokens = False
                 if plan.constraint is not None:  # (the request holds a copy of `sampling`)
                     request.sampling.structured_output.CopyFrom(plan.constraint)
             requests.append(request)

@@ -343,3 +343,23 @@ def test_vllm_prompt_logprobs_on_chat_and_completions(clusters, client, model):
         status, _, reply = post(clusters["split"].info["http"], "/v1/completions",
                                 {"model": model, **body})  # fmt: skip
         assert status == 400 and reply["error"]["param"] == field, reply
+
+
+def test_skip_special_tokens_false_keeps_their_text_across_the_handoff(client, model):
+    """Every token forced to the end-of-turn token (a special one): its text is in the
+    output only when the request keeps special tokens, on the decode worker's tokens too."""
+    end = client.completions.create(
+        model=model,
+        prompt="hi",
+        max_tokens=1,
+        logprobs=0,
+        temperature=0,
+        extra_body={"allowed_token_ids": [2], "ignore_eos": True},
+    ).choices[0]
+    forced = dict(model=model, prompt="hi", max_tokens=3, temperature=0,
+                  extra_body={"allowed_token_ids": [2], "ignore_eos": True})  # fmt: skip
+    kept = client.completions.create(**{**forced, "extra_body": {
+        **forced["extra_body"], "skip_special_tokens": False}}).choices[0].text  # fmt: skip
+    skipped = client.completions.create(**forced).choices[0].text
+    token = end.logprobs.tokens[0]
+    assert token.startswith("<|") and kept == token * 3 and skipped == ""

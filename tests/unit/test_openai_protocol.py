@@ -38,8 +38,20 @@ def test_chat_fields_map_to_sampling() -> None:
 
 def test_unset_fields_stay_unset() -> None:
     [request] = chat().to_generate_requests()
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
+                 "prompt_logprobs", "skip_special_tokens"):  # fmt: skip
         assert not request.sampling.HasField(name), name
+
+
+def test_special_tokens_kept_when_asked_and_for_mistral_tool_calls() -> None:
+    [request] = chat(skip_special_tokens=False).to_generate_requests()
+    assert request.sampling.HasField("skip_special_tokens")
+    assert not request.sampling.skip_special_tokens
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for parser, kept in (("mistral", True), ("hermes", False)):
+        body = chat(tools=tools)
+        [request] = body.to_generate_requests(body.tool_plan(parser))
+        assert request.sampling.HasField("skip_special_tokens") == kept, parser
 
 
 def test_text_parts_are_joined_and_other_parts_refused() -> None:
@@ -87,7 +99,6 @@ def test_completion_prompts_are_prompt_major() -> None:
         (lambda: chat(functions=[{"name": "f"}]), "functions"),
         (lambda: chat(modalities=["text", "audio"]), "modalities"),
         (lambda: chat(use_beam_search=True), "use_beam_search"),
-        (lambda: chat(skip_special_tokens=False), "skip_special_tokens"),
         (lambda: chat(chat_template="{{ x }}"), "chat_template"),
         (lambda: CompletionRequest(prompt="x", prompt_logprobs=21), "prompt_logprobs"),
         (lambda: CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), "prompt_logprobs"),
