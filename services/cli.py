@@ -180,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serving_command(args: argparse.Namespace) -> int:
+    if args.command in ("coordinator", "prefill", "decode", "colocated"):
+        from pdserve.common import faults
+
+        faults.arm_from_env()  # a test's named faults (off unless PDSERVE_FAULTS is set)
     if args.command == "serve":
         from pdserve.services.launcher import run_serve
 
