@@ -319,3 +319,17 @@ def default_threads() -> int:
 
 # The engine's options, in the order `--help` lists them (services/engine_args.py).
 ENGINE_OPTIONS = options_of(EngineConfig)
+
+# Every service's connections to the others (coordinator to workers, decode to prefill):
+# a peer that stops answering (hung, or the way to it cut) fails its calls UNAVAILABLE
+# within twice this, so requests go on elsewhere instead of waiting on it
+# (services/grpc_server.py turns it into gRPC's channel and server settings).
+GRPC_KEEPALIVE = Option(
+    "grpc_keepalive",
+    float,
+    5.0,
+    "seconds between HTTP/2 keepalive pings on the connections between services; a peer "
+    "that leaves one unanswered as long again is taken as lost: its calls fail "
+    "UNAVAILABLE and go on on other workers, and a KV pull from it ends; 0: off "
+    "(default: %(default)s)",
+)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc as _  # noqa: F401  (reg
 from grpc_reflection.v1alpha._async import ReflectionServicer
 from prometheus_client import start_http_server
 
+from pdserve.common.config import GRPC_KEEPALIVE
 from pdserve.services.tls import TlsFiles, internal_channel
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,55 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # by what a request may hold (`message_limit`).
 MAX_SEND_BYTES = 64 * 1024 * 1024
 MIN_RECEIVE_BYTES = 1024 * 1024
+
+
+# A server accepts keepalive pings this often (or as often as it sends its own, if more
+# often), whatever its callers' --grpc-keepalive: a caller set shorter is not cut off for
+# pinging "too often".
+MIN_PING_INTERVAL_MS = 1000
+
+
+def keepalive_channel_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """A channel to another service that pings it every `keepalive_s` seconds, calls in
+    flight or not, and closes (failing its calls UNAVAILABLE) when a ping is unanswered for
+    as long again: a peer that hangs (stopped, not dead) or a cut link ends its calls
+    instead of holding them forever. `keepalive_s` 0: gRPC's defaults (no pings)."""
+    if keepalive_s <= 0:
+        return []
+    ms = max(1, int(keepalive_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        # Any ping, not only keepalive's: with one ping in flight at a time, a flow-control
+        # (BDP) ping sent as the last data arrived would otherwise hold the keepalive ping
+        # back for its own 60 s timeout.
+        ("grpc.http2.ping_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # A server-streaming call sends nothing after its request: keep pinging anyway.
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms),
+    ]
+
+
+def keepalive_server_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """A server that accepts its callers' keepalive pings (every `MIN_PING_INTERVAL_MS` or
+    more often, with or without calls) and pings them itself, so that the calls of a caller
+    that hangs end and free what they hold."""
+    ms = max(1, int(keepalive_s * 1000)) if keepalive_s > 0 else 0
+    floor = min(MIN_PING_INTERVAL_MS, ms) if ms else MIN_PING_INTERVAL_MS
+    options = [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", floor),
+        ("grpc.http2.min_ping_interval_without_data_ms", floor),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if ms:
+        options += [
+            ("grpc.keepalive_time_ms", ms),
+            ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms),
+        ]
+    return options
 
 
 def message_limit(max_prompt_chars: int) -> int:
@@ -99,7 +149,7 @@ class UndecodableIsInvalid(grpc.aio.ServerInterceptor):
 class ServiceProcess:
     """One service: register servicers with `server`, then `await run()`.
     `interceptors` see every call (the API key's door); `max_message_bytes` bounds what
-    a caller may send in one message."""
+    a caller may send in one message; `keepalive_s`: `keepalive_server_options`."""
 
     def __init__(
         self,
@@ -110,6 +160,7 @@ class ServiceProcess:
         max_message_bytes: int = MIN_RECEIVE_BYTES,
         credentials: grpc.ServerCredentials | None = None,
         health_port: int = -1,
+        keepalive_s: float = GRPC_KEEPALIVE.default,
     ) -> None:
         self.server = grpc.aio.server(
             interceptors=[*interceptors, UndecodableIsInvalid()],
@@ -117,6 +168,7 @@ class ServiceProcess:
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", MAX_SEND_BYTES),
                 ("grpc.so_reuseport", 0),
+                *keepalive_server_options(keepalive_s),
             ],
         )
         self.health = health.aio.HealthServicer()

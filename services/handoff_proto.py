@@ -1,21 +1,17 @@
 """Between the wire and the handoff: `pdserve.v1.KvHandle` and `TransferKvRequest` to the
-domain forms `common/handoff` works with (`KvHandle`, `TransferOrder`) and back. The one
-field a conversion can refuse, the lease's expiry time, raises `InvalidRequestError`."""
+domain forms `common/handoff` works with (`KvHandle`, `TransferOrder`) and back. The
+lease's end crosses the wire as the time it has left (`lease_ttl_ms`), turned into a
+deadline on this host's monotonic clock on arrival and back into the time left on sending
+(`common/handoff/lease_clock.py`)."""
 
 from __future__ import annotations
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from pdserve.common.errors import InvalidRequestError
+from pdserve.common.handoff import lease_clock
 from pdserve.common.handoff.handle import KvHandle, TransferOrder
 from pdserve.v1 import kv_pb2, prefill_pb2
 
 
 def handle_from_proto(h: kv_pb2.KvHandle) -> KvHandle:
-    try:
-        expires = h.lease_expires_at.ToNanoseconds() / 1e9
-    except ValueError as e:  # nanos outside [0, 1e9) or a year protobuf refuses
-        raise InvalidRequestError("kv_handle.lease_expires_at", str(e)) from None
     return KvHandle(
         worker_id=h.worker_id,
         grpc_address=h.grpc_address,
@@ -26,15 +22,13 @@ def handle_from_proto(h: kv_pb2.KvHandle) -> KvHandle:
         num_tokens=h.num_tokens,
         block_size=h.block_size,
         layout_fingerprint=h.layout_fingerprint,
-        lease_expires_at=expires,
+        lease_deadline=lease_clock.deadline(h.lease_ttl_ms),
         tensor_parallel=h.tensor_parallel,
         rank_transport_addresses=tuple(h.rank_transport_addresses),
     )
 
 
 def handle_to_proto(h: KvHandle) -> kv_pb2.KvHandle:
-    expires = Timestamp()
-    expires.FromNanoseconds(int(h.lease_expires_at * 1e9))
     return kv_pb2.KvHandle(
         worker_id=h.worker_id,
         grpc_address=h.grpc_address,
@@ -45,7 +39,7 @@ def handle_to_proto(h: KvHandle) -> kv_pb2.KvHandle:
         num_tokens=h.num_tokens,
         block_size=h.block_size,
         layout_fingerprint=h.layout_fingerprint,
-        lease_expires_at=expires,
+        lease_ttl_ms=lease_clock.ttl_ms(h.lease_deadline),
         tensor_parallel=h.tensor_parallel,
         rank_transport_addresses=h.rank_transport_addresses,
     )

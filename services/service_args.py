@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.common.config import Option
+from pdserve.common.config import GRPC_KEEPALIVE, Option
 from pdserve.services.engine_args import FROM_ENV, add_engine_args, add_options
 from pdserve.services.tls import add_tls_args
 
@@ -28,6 +28,7 @@ SERVICE_OPTIONS = (
         "on SIGTERM / SIGINT: health turns NOT_SERVING, new calls are refused, and "
         "calls in flight get this many seconds to finish (default: %(default)s)",
     ),
+    GRPC_KEEPALIVE,
 )
 WORKER_PORTS = {"prefill": 50061, "decode": 50071, "colocated": 50081}
 

@@ -89,6 +89,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         credentials=tls.server_credentials() if tls else None,
         # Rank r of an expert-parallel group listens at port + r, its health port too.
         health_port=args.health_port + rank if args.health_port > 0 else args.health_port,
+        keepalive_s=args.grpc_keepalive,
     )
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{process.port}"
     address = advertised_address(args.advertise_address, args.host, process.port)
@@ -209,6 +210,7 @@ def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namesp
                 args.max_pending,
                 [a.strip() for a in args.prefill_workers.split(",") if a.strip()],
                 args.handoff_wait_ms / 1000,
+                keepalive_s=args.grpc_keepalive,
             ),
             process.server,
         )

@@ -3,7 +3,8 @@ decode worker checks before it reserves anything. It names where the blocks are 
 prefill worker, its transport address, the lease that pins them), what they hold (tokens,
 block size, the KV layout's fingerprint) and how they are split (the prefill group's
 tensor-parallel ranks). `TransferOrder` is the decode worker's answer: where to send them.
-These are the domain forms of `pdserve.v1.KvHandle` and `TransferKvRequest`
+The lease's end is a time on the monotonic clock of the host holding the handle
+(`lease_clock.py`). These are the domain forms of `pdserve.v1.KvHandle` and `TransferKvRequest`
 (`services/handoff_proto.py` maps them)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.handoff import lease_clock
 from pdserve.common.kv_transfer.head_slices import plan
 
 
@@ -25,13 +27,17 @@ class KvHandle:
     num_tokens: int
     block_size: int
     layout_fingerprint: str
-    lease_expires_at: float  # seconds since the epoch, the prefill host's clock
+    lease_deadline: float  # when the lease ends: time.monotonic() of this host
     tensor_parallel: int = 0  # the prefill group's ranks (0: one process)
     rank_transport_addresses: tuple[bytes, ...] = ()  # ranks 1.. of that group
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    def lease_left(self) -> float:
+        """Seconds until the lease ends, by this host's monotonic clock (0 once over)."""
+        return lease_clock.left(self.lease_deadline)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Prefilled requests whose KV blocks wait for a decode worker, on the prefill side of the
 handoff. A lease pins the blocks until they are pulled (release on pull), released, or
-expired.
+expired. Expiry is on this host's monotonic clock; the handle carries the time left, never a
+wall-clock time (hosts' clocks differ).
 
 The table has its own lock so that the gRPC handlers grant leases and start transfers
 without waiting for the engine thread (a prefill step can take seconds on a CPU); it never
@@ -23,8 +24,7 @@ from pdserve.common.request import Request, RequestStatus
 class Lease:
     lease_id: str
     request: Request
-    expires_at: float  # time.monotonic()
-    expires_at_unix: float  # time.time(), for the handle
+    expires_at: float  # time.monotonic() of this host: never another host's clock
     sending: bool = False  # a transfer is under way: it does not expire meanwhile
 
 
@@ -56,9 +56,7 @@ class LeaseTable:
     def grant(self, request: Request) -> Lease:
         assert request.status == RequestStatus.PREFILLED and request.blocks
         lease_id = f"{request.request_id}/{secrets.token_hex(8)}"
-        lease = Lease(
-            lease_id, request, time.monotonic() + self.lease_s, time.time() + self.lease_s
-        )
+        lease = Lease(lease_id, request, time.monotonic() + self.lease_s)
         with self._lock:
             self._leases[lease_id] = lease
         return lease

@@ -70,9 +70,13 @@ class KvReceiver:
         tp_addresses: Sequence[bytes] = (),
         max_pending: int = 64,
         max_wait_s: float = 0.0,
+        landing_s: float | None = None,
     ) -> None:
         self.engine, self.transport = engine, transport
         self.timeout_s = timeout_s
+        # Once the prefill worker says it sent every block, they land within this or the
+        # pull fails (a sender that stopped mid-way); None: `timeout_s` alone bounds it.
+        self.landing_s = landing_s
         self.metrics = metrics
         self.run_in_engine = run_in_engine
         self.tp_addresses = list(tp_addresses)  # every rank's transport address, rank 0 first
@@ -163,7 +167,7 @@ class KvReceiver:
         )
         try:
             await link.transfer(order, transfer)
-            result = await asyncio.wrap_future(received)
+            result = await self._landed(received)
             if slices is not None:
                 result = await self._land_slices(slices, len(dst))
         except (PullFailed, KvTransferError, asyncio.CancelledError) as e:
@@ -191,6 +195,22 @@ class KvReceiver:
         )
         transfer.end()
         return result.num_blocks
+
+    async def _landed(self, received: Future[TransferResult]) -> TransferResult:
+        """The posted receives once the sender has sent them all: they complete within
+        `landing_s`, or KvTransferError (the caller cancels them)."""
+        if self.landing_s is None:
+            return await asyncio.wrap_future(received)
+        landing = asyncio.wrap_future(received)
+        # Shielded: on a timeout (or the caller's cancel) the caller cancels the receives
+        # and `landing` fails later, with no one left to read it; read it here.
+        landing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            return await asyncio.wait_for(asyncio.shield(landing), self.landing_s)
+        except TimeoutError:
+            raise KvTransferError(
+                f"the blocks had not landed {self.landing_s:g} s after the sender sent them"
+            ) from None
 
     async def _post_slices(self, handle: KvHandle, dst: list[int], tag: int) -> SliceReceive:
         """Post this rank's receives of its head slices, and have the group's other ranks

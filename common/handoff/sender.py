@@ -68,7 +68,7 @@ class KvSender:
             num_tokens=request.num_prompt_tokens,
             block_size=engine.config.block_size,
             layout_fingerprint=engine.runner.layout_fingerprint,
-            lease_expires_at=lease.expires_at_unix,
+            lease_deadline=lease.expires_at,
             tensor_parallel=self.tensor_parallel if self.tensor_parallel > 1 else 0,
             rank_transport_addresses=tuple(self.tp_addresses[1:]),
         )

@@ -237,6 +237,7 @@ async def _serve(
         "policy": args.policy,
         "weights": RouterWeights(args.prefix_weight, args.load_weight),
         "kv_events": not args.no_kv_events,
+        "keepalive_s": args.grpc_keepalive,
     }
     pools = {
         "prefill": WorkerPool("prefill", [], prefill_pb2_grpc.PrefillServiceStub, **routing),
@@ -259,6 +260,7 @@ async def _serve(
         max_message_bytes=message_limit(frontend.max_prompt_chars),
         credentials=public,
         health_port=args.health_port,
+        keepalive_s=args.grpc_keepalive,
     )
     identity = {
         "model": model_dir.name,

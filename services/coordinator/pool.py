@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 
+from pdserve.common.config import GRPC_KEEPALIVE
 from pdserve.common.retry import Backoff
 from pdserve.services.coordinator.prefix_index import PrefixIndex, ProvisionalHolds
 from pdserve.services.coordinator.router import (
@@ -27,6 +28,7 @@ from pdserve.services.coordinator.router import (
     WorkerState,
 )
 from pdserve.services.decode.prefill_peers import valid_address
+from pdserve.services.grpc_server import keepalive_channel_options
 from pdserve.services.tls import internal_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -57,7 +59,9 @@ class WorkerEndpoint(WorkerState):
 
 class WorkerPool:
     """`kv_events`: keep the prefix index from the workers' reports (True) or from this
-    coordinator's own decisions (False: approximate)."""
+    coordinator's own decisions (False: approximate). `keepalive_s`: a worker that stops
+    answering pings for twice this fails its calls UNAVAILABLE (`keepalive_channel_options`),
+    which the request path routes around like a dead worker."""
 
     def __init__(
         self,
@@ -68,8 +72,10 @@ class WorkerPool:
         weights: RouterWeights | None = None,
         kv_events: bool = True,
         wait_for_worker_s: float = 5.0,
+        keepalive_s: float = GRPC_KEEPALIVE.default,
     ) -> None:
         self.role = role
+        self.channel_options = keepalive_channel_options(keepalive_s)
         self.make_stub = make_stub
         self.index = PrefixIndex()
         self.offload_index = PrefixIndex()  # what the disk tiers below the workers' pools hold
@@ -111,7 +117,7 @@ class WorkerPool:
         (calls in flight there finish on their own)."""
         wanted = set(addresses)
         for address in wanted - set(self.workers):
-            channel = internal_channel(address)
+            channel = internal_channel(address, self.channel_options)
             worker = WorkerEndpoint(
                 address, healthy=False, stub=self.make_stub(channel), channel=channel
             )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import replace
 
@@ -22,6 +21,7 @@ from opentelemetry.trace import SpanKind
 
 from pdserve.common.block_hashing import block_hashes
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.handoff import lease_clock
 from pdserve.common.retry import Backoff
 from pdserve.common.tracing import context_from_metadata, metadata_for_call, tracer
 from pdserve.services.convert import RETRY_AFTER_KEY, params_to_proto
@@ -29,7 +29,7 @@ from pdserve.services.coordinator.metrics import RequestTimer
 from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
 from pdserve.services.coordinator.router import NoWorkerError
 from pdserve.services.frontend import ContextLengthError, Frontend, ParsedRequest, usage
-from pdserve.v1 import decode_pb2, generate_pb2, kv_pb2, prefill_pb2
+from pdserve.v1 import decode_pb2, generate_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -420,6 +420,8 @@ class Coordinator:
             return
 
         handle = prefilled.kv_handle
+        # The lease's end on this host's monotonic clock: the handle carries the time left.
+        lease_end = lease_clock.deadline(handle.lease_ttl_ms)
         pulled = False  # decode's first message says the blocks are in place
         waiting = False  # counted in `handoffs_waiting`: a busy decode pool refused it
         try:
@@ -437,6 +439,7 @@ class Coordinator:
             while True:
                 decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
                 span.set_attribute("pdserve.decode_worker", decoder.address)
+                request.kv_handle.lease_ttl_ms = lease_clock.ttl_ms(lease_end)  # left now
                 call = decoder.stub.Decode(
                     request, timeout=remaining(), metadata=metadata_for_call(span)
                 )
@@ -454,7 +457,7 @@ class Coordinator:
                     if not waiting:
                         waiting = True
                         self.handoffs_waiting += 1
-                    await self._wait_to_hand_off(e.error, backoff, handle, remaining, timer)
+                    await self._wait_to_hand_off(e.error, backoff, lease_end, remaining, timer)
         finally:
             if waiting:
                 self.handoffs_waiting -= 1
@@ -465,7 +468,7 @@ class Coordinator:
         self,
         error: RequestFailed,
         backoff: Backoff,
-        handle: kv_pb2.KvHandle,
+        lease_end: float,
         remaining: Callable[[], float | None],
         timer: RequestTimer,
     ) -> None:
@@ -473,9 +476,10 @@ class Coordinator:
         already has the first token and prefill holds the blocks under a lease, so the
         request waits and tries again (another decode worker, if one is less loaded) while
         the lease and the deadline last; back-pressure reaches new requests at prefill,
-        whose blocks the waiting leases hold. Raises `error` when time is up."""
+        whose blocks the waiting leases hold. `lease_end`: the lease's end on this host's
+        monotonic clock. Raises `error` when time is up."""
         wait = backoff.next_delay()
-        lease_left = handle.lease_expires_at.ToNanoseconds() / 1e9 - time.time()
+        lease_left = lease_clock.left(lease_end)
         left = remaining()
         if lease_left - wait < LEASE_MARGIN_S or (left is not None and left <= wait):
             raise error

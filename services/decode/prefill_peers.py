@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
+from pdserve.common.config import GRPC_KEEPALIVE
+from pdserve.services.grpc_server import keepalive_channel_options
 from pdserve.services.tls import internal_channel
 from pdserve.v1 import prefill_pb2_grpc
 
@@ -113,8 +115,15 @@ async def _getaddrinfo(host: str, port: int) -> list[str]:
 
 
 class PrefillPeers:
-    def __init__(self, static: Iterable[str] = (), resolver: Resolver = _getaddrinfo) -> None:
+    def __init__(
+        self,
+        static: Iterable[str] = (),
+        resolver: Resolver = _getaddrinfo,
+        keepalive_s: float = GRPC_KEEPALIVE.default,
+    ) -> None:
         self.static = frozenset(static)
+        # A prefill worker that hangs fails the calls to it (TransferKv: the pull ends).
+        self._channel_options = keepalive_channel_options(keepalive_s)
         self._named: OrderedDict[str, tuple[int, frozenset[str]]] = OrderedDict()
         self._resolver = resolver
         # (host name, port) named on some list -> the keys of the addresses it resolved to.
@@ -190,7 +199,7 @@ class PrefillPeers:
             )
         entry = self._stubs.get(key)
         if entry is None:
-            channel = internal_channel(key)
+            channel = internal_channel(key, self._channel_options)
             entry = self._stubs[key] = (channel, prefill_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 

@@ -8,12 +8,12 @@ spans. Whatever happens, a request's blocks here are given back (`KvReceiver.aba
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from pdserve.common.config import GRPC_KEEPALIVE
 from pdserve.common.engine import RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.handoff.receiver import KvReceiver, PullFailed
@@ -51,15 +51,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         max_pending: int,
         prefill_workers: Iterable[str] = (),
         max_wait_s: float = 0.0,
+        keepalive_s: float = GRPC_KEEPALIVE.default,
     ) -> None:
         self.worker = worker
         assert worker.transport is not None
         loop = worker.loop
+        # A prefill worker that hangs mid-pull: its TransferKv fails within twice
+        # `keepalive_s` (the channel's pings), and blocks it said it sent land within that.
+        landing_s = 2 * keepalive_s if keepalive_s > 0 else None
         self.receiver = KvReceiver(
             loop.engine, worker.transport, worker.transfer_timeout_s, worker.metrics, loop.call,
-            worker.tp_addresses, max_pending, max_wait_s,
+            worker.tp_addresses, max_pending, max_wait_s, landing_s,
         )  # fmt: skip
-        self.peers = PrefillPeers(prefill_workers)
+        self.peers = PrefillPeers(prefill_workers, keepalive_s=keepalive_s)
 
     async def SetPrefillWorkers(
         self, request: decode_pb2.SetPrefillWorkersRequest, context: grpc.aio.ServicerContext
@@ -101,10 +105,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             return
         loop, receiver = self.worker.loop, self.receiver
         rid = request.request_id
-        try:
-            handle = handle_from_proto(request.kv_handle)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # First: the lease's time left counts down on this host's clock from its arrival.
+        handle = handle_from_proto(request.kv_handle)
         try:
             # Before anything is held, and before any connection to the named address.
             await self.peers.admit(handle.grpc_address)
@@ -140,10 +142,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), trailing_metadata=_RETRY_SOON
                 )
             # Waiting for blocks past the prefill lease would only pull from nothing.
-            lease_left = handle.lease_expires_at - time.time()
             try:
                 num_cached = await asyncio.wait_for(
-                    asyncio.shield(asyncio.wrap_future(admitted)), max(0.0, lease_left - 1.0)
+                    asyncio.shield(asyncio.wrap_future(admitted)),
+                    max(0.0, handle.lease_left() - 1.0),
                 )
             except TimeoutError:
                 await context.abort(

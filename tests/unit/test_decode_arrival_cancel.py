@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -73,9 +72,8 @@ def test_caller_gone_while_arrival_queued_gives_back_its_blocks(tiny_model_dir):
                 worker_id="p", grpc_address=PREFILL, transport=transport.kind,
                 transport_address=b"x", lease_id="l", block_ids=[1, 2, 3],
                 num_tokens=len(PROMPT), block_size=engine.config.block_size,
-                layout_fingerprint=engine.runner.layout_fingerprint,
+                layout_fingerprint=engine.runner.layout_fingerprint, lease_ttl_ms=60_000,
             )  # fmt: skip
-            handle.lease_expires_at.FromNanoseconds(int((time.time() + 60) * 1e9))
             request = decode_pb2.DecodeRequest(
                 request_id="gone", prompt_token_ids=PROMPT, first_token_id=5, kv_handle=handle,
                 sampling=generate_pb2.SamplingParams(max_tokens=8, temperature=0),
