@@ -9,8 +9,8 @@ list of `point=action[:arg][@n]`:
 - `fail`: raise `FaultInjected` (the step fails as if its work had failed);
 - `kill`: SIGKILL this process (a crash at exactly that step);
 - `stop`: SIGSTOP this process (a hung peer: alive, silent, its connections open);
-- `corrupt` / `drop`: returned to the caller, which corrupts or drops what it was about to
-  send (the step's own code knows what that is).
+- `corrupt`: returned to the caller, which corrupts what it holds there (only at the points
+  in `CORRUPTIBLE`: KV blocks just landed on a decode worker, before they are checked).
 
 `@n` fires on the n-th hit of the point only (1-based); without it, on every hit. Every
 fault that fires is counted in `pdserve_faults_injected_total{point, action}` and logged as a
@@ -39,13 +39,14 @@ POINTS = {
     "coordinator.before_stream_write": "before a token is written to the client's stream",
     "prefill.before_prefill": "a prefill worker got a request, before queueing it",
     "prefill.lease_granted": "a prefill worker leased the blocks, before answering",
-    "prefill.send_block": "a prefill worker is sending one block of a lease",
+    "prefill.before_send": "a prefill worker is about to send a lease's blocks",
     "decode.before_pull": "a decode worker admitted a handoff, before pulling its blocks",
     "decode.before_landing": "a decode worker pulled the blocks, before using them",
     "decode.before_step": "a decode worker is about to run a step",
     "decode.before_stream_write": "a decode worker is about to send tokens",
 }
-ACTIONS = ("delay", "fail", "kill", "stop", "corrupt", "drop")
+ACTIONS = ("delay", "fail", "kill", "stop", "corrupt")
+CORRUPTIBLE = ("decode.before_landing",)
 
 INJECTED = Counter(
     "pdserve_faults_injected", "Faults fired at named points (PDSERVE_FAULTS)", ["point", "action"]
@@ -79,6 +80,8 @@ def parse(spec: str) -> dict[str, Fault]:
         action, _, arg = rest.partition(":")
         if action not in ACTIONS:
             raise ValueError(f"{ENV}: {point}: unknown action {action!r} ({', '.join(ACTIONS)})")
+        if action == "corrupt" and point not in CORRUPTIBLE:
+            raise ValueError(f"{ENV}: {point}: corrupt is only for {', '.join(CORRUPTIBLE)}")
         try:
             seconds = float(arg) if action == "delay" else 0.0
             count = int(nth) if at else None
@@ -135,7 +138,7 @@ def arm_from_env() -> None:
 
 def hit(point: str) -> str | None:
     """Reach `point` (blocking): delay, fail, kill or stop here as armed; returns "corrupt"
-    or "drop" for the caller to act on, else None."""
+    for the caller to act on, else None."""
     if not _armed.faults:
         return None
     fault = _armed.fire(point)

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from pdserve.common import faults
 from pdserve.common.engine import LLMEngine, Prompt, RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.request import Request, Resume
@@ -45,6 +46,7 @@ class EngineLoop:
         """`thread`: the one that loaded `engine` (see `EngineThread`); None: a new one."""
         self.engine = engine
         self._loop = loop
+        self.fault_point: str | None = None  # the step's name in `common/faults.py`
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._wake = threading.Condition()
         self._queues: dict[str, OutputQueue] = {}
@@ -203,6 +205,8 @@ class EngineLoop:
             if not engine.has_unfinished_requests():
                 continue
             try:
+                if self.fault_point is not None:
+                    faults.hit(self.fault_point)  # a test's fault at this step, if armed
                 outputs = engine.step()
             except Exception:
                 if engine.runner.tp is not None:  # the other ranks are mid-step: fatal

@@ -100,6 +100,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
     loop_type = EngineLoop if group is None else LockstepEngineLoop
     loop = loop_type(engine, asyncio.get_running_loop(), engine_thread)
     loop.max_pending = args.max_pending
+    loop.fault_point = "decode.before_step" if role == "decode" else None
     if args.ttft_target_ms < 0:
         raise ValueError(f"ttft_target_ms: must be >= 0, got {args.ttft_target_ms}")
     if args.handoff_wait_ms < 0:

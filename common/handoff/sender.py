@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from pdserve.common import faults
 from pdserve.common.handoff.handle import KvHandle, TransferOrder
 from pdserve.common.handoff.leases import LeaseTable
 from pdserve.common.handoff.slices import all_of, send_slices
@@ -122,6 +123,10 @@ class KvSender:
         transport = self.transport
         future: Future[TransferResult] | None = None
         try:
+            try:
+                await faults.ahit("prefill.before_send")
+            except faults.FaultInjected as e:
+                raise KvTransferError(str(e)) from None
             if self.tensor_parallel > 1 or order.receiver_tensor_parallel > 1:
                 future = await self._send_slices(order, peers, blocks)
             else:

@@ -19,6 +19,7 @@ from dataclasses import replace
 import grpc
 from opentelemetry.trace import SpanKind
 
+from pdserve.common import faults
 from pdserve.common.block_hashing import block_hashes
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.handoff import lease_clock
@@ -230,6 +231,7 @@ class Coordinator:
                     if echo_prompt:  # the first response says what the logprobs are of
                         response.prompt_token_ids.extend(parsed.token_ids)
                         echo_prompt = False
+                    await faults.ahit("coordinator.before_stream_write")
                     timer.on_tokens(len(response.token_ids))
                     if response.finish_reason:
                         finished = True
@@ -389,6 +391,7 @@ class Coordinator:
         hashes = block_hashes(tokens[:-1], block_size) if block_size else []
         worker = await self.prefill.pick(hashes, exclude=failed)
         span.set_attribute("pdserve.prefill_worker", worker.address)
+        await faults.ahit("coordinator.before_prefill")
         with self.prefill.track(worker):
             call = worker.stub.Prefill(
                 prefill_pb2.PrefillRequest(
@@ -440,6 +443,7 @@ class Coordinator:
                 decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
                 span.set_attribute("pdserve.decode_worker", decoder.address)
                 request.kv_handle.lease_ttl_ms = lease_clock.ttl_ms(lease_end)  # left now
+                await faults.ahit("coordinator.before_decode")
                 call = decoder.stub.Decode(
                     request, timeout=remaining(), metadata=metadata_for_call(span)
                 )

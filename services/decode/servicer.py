@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from pdserve.common import faults
 from pdserve.common.config import GRPC_KEEPALIVE
 from pdserve.common.engine import RequestOutput
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
@@ -160,13 +161,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             link = GrpcPrefillLink(stub, self.worker.transfer_timeout_s)
             try:
+                await faults.ahit("decode.before_pull")
                 pulled = await receiver.pull(req, handle, num_cached, link, span)
+                await faults.ahit("decode.before_landing")
             except PullFailed as e:
                 await context.abort(_PULL_CODES[e.reason], str(e))
+            except faults.FaultInjected as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             receiver.landed(req)
             yield decode_pb2.DecodeResponse(pulled_blocks=pulled)
             async for out in loop.stream(rid):
                 finished = out.finished
+                await faults.ahit("decode.before_stream_write")
                 yield _response(out)
         finally:
             loop.close_stream(rid, queue)

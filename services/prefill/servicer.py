@@ -12,6 +12,7 @@ import asyncio
 import grpc
 from opentelemetry.trace import SpanKind
 
+from pdserve.common import faults
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
 from pdserve.common.handoff.leases import LeaseBusy, LeaseError
 from pdserve.common.handoff.sender import KvSender
@@ -58,6 +59,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> tuple[prefill_pb2.PrefillResponse, Request | None]:
         loop = self.worker.loop
         try:
+            await faults.ahit("prefill.before_prefill")
+        except faults.FaultInjected as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        try:
             prompt, params = worker_request(
                 request.request_id, request.prompt_token_ids, request.sampling
             )
@@ -86,6 +91,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
             if final.finish_reason is None:  # PREFILLED: hand the blocks off
                 response.kv_handle.CopyFrom(handle_to_proto(self.sender.grant(req)))
+                try:
+                    await faults.ahit("prefill.lease_granted")
+                except faults.FaultInjected as e:
+                    loop.submit(lambda: self.sender.drop(req))
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             return response, req
         except asyncio.CancelledError:
             # The caller left (cancelled, deadline): no one will pull these blocks.

@@ -35,7 +35,9 @@ def test_nothing_fires_unless_armed():
 
 
 def test_actions_fire_at_their_point_and_hit():
-    faults.arm("prefill.lease_granted=fail@2;prefill.send_block=corrupt;decode.before_pull=drop")
+    faults.arm(
+        "prefill.lease_granted=fail@2;decode.before_landing=corrupt;decode.before_pull=stop@9"
+    )
     before = _count("prefill.lease_granted", "fail")
     assert faults.hit("prefill.lease_granted") is None  # the first hit passes
     with pytest.raises(faults.FaultInjected) as fired:
@@ -43,9 +45,9 @@ def test_actions_fire_at_their_point_and_hit():
     assert fired.value.point == "prefill.lease_granted"
     assert faults.hit("prefill.lease_granted") is None  # only the second
     assert _count("prefill.lease_granted", "fail") == before + 1
-    assert faults.hit("prefill.send_block") == "corrupt"
-    assert faults.hit("prefill.send_block") == "corrupt"
-    assert asyncio.run(faults.ahit("decode.before_pull")) == "drop"
+    assert faults.hit("decode.before_landing") == "corrupt"
+    assert asyncio.run(faults.ahit("decode.before_landing")) == "corrupt"
+    assert asyncio.run(faults.ahit("decode.before_pull")) is None  # the 9th hit only
     assert faults.hit("decode.before_step") is None  # not armed
 
 
@@ -67,6 +69,7 @@ def test_delay_sleeps_there():
         ("decode.before_step=delay:soon", "delay:soon"),
         ("decode.before_step=fail@0", "fail@0"),
         ("decode.before_step", "decode.before_step"),
+        ("decode.before_step=corrupt", "corrupt"),
     ],
 )
 def test_bad_specs_are_refused_naming_the_part(spec, named):
