@@ -23,7 +23,7 @@ HELM := $(VENV)/bin/helm
 PROMTOOL := $(VENV)/bin/promtool
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools protos serve test fuzz lint format bench bench-kernels bench-kv bench-serve bench-targets bench-tracing clean help
+.PHONY: install tools protos serve test fuzz chaos lint format bench bench-kernels bench-kv bench-serve bench-targets bench-tracing clean help
 
 help:
 	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
@@ -37,6 +37,7 @@ help:
 	@echo "make gpu-check   - the GPU check on this host's device (its CPU dry run where there is no GPU), JSON"
 	@echo "make gpu-payload - .gpu-payload/: the wheels, tokenizer and stubs a GPU machine without network needs"
 	@echo "make docs    - the docs site (MkDocs, Material) into site/"
+	@echo "make chaos   - every cell of the fault matrix, its table into docs/chaos-matrix.md"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
 install: $(STAMP) $(HELM) $(PROMTOOL)
@@ -114,6 +115,12 @@ lint: install
 # not --quiet, which hides the warnings --strict counts).
 	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && \
 		NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"
+
+# Every cell of the fault matrix (tests/integration/chaos.py; `make test` runs a subset), its
+# outcome table written to docs/chaos-matrix.md (the reliability page includes it).
+chaos: install
+	PDSERVE_CHAOS=all PDSERVE_CHAOS_TABLE=docs/chaos-matrix.md $(PY) -m pytest -q \
+		-p no:cacheprovider tests/integration/test_chaos_matrix.py
 
 # The docs site into site/ (`.venv/bin/mkdocs serve` serves it while editing).
 .PHONY: docs

@@ -31,14 +31,18 @@ class ServiceChild:
     """One service process started with `pdserve <role> --port 0`, known once it printed
     its "listening" line."""
 
-    def __init__(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, role: str, argv: list[str], env: dict[str, str] | None = None, stderr: Any = None
+    ) -> None:
+        """`stderr`: where the child's log goes (a file; None: this process's stderr)."""
         self.role = role
         # -P: the working directory stays off sys.path, so a folder there (this repository's
         # kernels/, say, beside a package of that name) never shadows an installed module.
         cmd = [sys.executable, "-P", "-m", "pdserve.services.cli", role, *argv]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
-        )
+            cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
         self.info: dict[str, Any] = {}
 
     def wait_listening(self, timeout_s: float) -> dict[str, Any]:

@@ -41,11 +41,22 @@ REFUSED = Counter(
     "address this worker does not know)",
     (*LABELS, "reason"),
 )
+MIGRATED = Counter(
+    "pdserve_kv_migrations",
+    "Running streams this decode worker handed, with their KV under a lease, to another "
+    "decode worker as it drained (live migration)",
+    LABELS,
+)
 # The status stream (`services/status.py`): its bounds at work.
 STATUS_RESYNCS = Counter(
     "pdserve_status_resyncs",
     "Status-stream watchers that fell a full queue of reports behind: their backlog was "
     "dropped and a fresh snapshot sent instead",
+    LABELS,
+)
+STATUS_WATCHERS = Gauge(
+    "pdserve_status_watchers",
+    "Status streams open now: the coordinators routing to this worker",
     LABELS,
 )
 STATUS_WATCHERS_REFUSED = Counter(
@@ -239,6 +250,9 @@ class WorkerMetrics:
 
     def refused(self, reason: str) -> None:
         REFUSED.labels(**self.labels, reason=reason).inc()
+
+    def migrated(self, streams: int) -> None:
+        MIGRATED.labels(**self.labels).inc(streams)
 
     def sync_prefix_cache(self) -> None:
         """Add what the prefix cache and preemptions counted since the last call (the engine

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pdserve.common.kv_tiers import KVTier
 
 from pdserve.services.convert import RETRY_AFTER_KEY, RETRY_AFTER_S
-from pdserve.services.metrics import STATUS_RESYNCS, STATUS_WATCHERS_REFUSED
+from pdserve.services.metrics import STATUS_RESYNCS, STATUS_WATCHERS, STATUS_WATCHERS_REFUSED
 from pdserve.services.worker import Worker
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -74,6 +74,7 @@ class StatusHub(worker_pb2_grpc.WorkerStatusServiceServicer):
         labels = worker.metrics.labels
         self._resync_count = STATUS_RESYNCS.labels(**labels)
         self._refused_count = STATUS_WATCHERS_REFUSED.labels(**labels)
+        STATUS_WATCHERS.labels(**labels).set_function(lambda: len(self._watchers))
         self._wake = asyncio.Event()
         self.draining = False
         self._last_load: dict = {}  # the load of the last report (none before the first)

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -86,9 +87,12 @@ class RunningService:
             self.proc.wait()
 
 
-def start(role: str, *args: str, env: dict[str, str] | None = None) -> RunningService:
+def start(
+    role: str, *args: str, env: dict[str, str] | None = None, stderr: Any = None
+) -> RunningService:
+    """`args` may name `--port` (and `--metrics-port`) again: the last one counts."""
     child = ServiceChild(
-        role, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args], env
+        role, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args], env, stderr
     )
     service = RunningService(role, child.proc)
     try:
