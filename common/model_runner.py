@@ -24,6 +24,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.decode_graphs import DecodeGraphs
 from pdserve.common.errors import ModelLoadError
 from pdserve.common.logits_processors import bad_word_bans, wants_penalties
+from pdserve.common.models import fp8
 from pdserve.common.models.attention import AttentionMetadata
 from pdserve.common.models.expert_balance import ExpertBalancer
 from pdserve.common.models.expert_parallel import ExpertShard
@@ -116,6 +117,8 @@ class ModelRunner:
         shard = self._expert_shard() if config.expert_parallel > 1 else None
         self.tp = self._tensor_shard() if config.tensor_parallel > 1 else None
         state = load_state_dict(model_dir)
+        quant = getattr(self.hf_config, "quantization_config", None)
+        state = fp8.load_weights(state, quant, self.dtype, self.device)  # FP8 checkpoints
         try:
             self.model = LlamaForCausalLM(
                 self.hf_config, state, self.dtype, self.device, shard, self.tp

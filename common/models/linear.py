@@ -13,7 +13,8 @@ in float32 `kernels/skinny_linear` for up to 16 rows and `F.linear` past that. o
 its kernel by the number of rows (with AMX, rows differ at the last bit between batch
 sizes), so that path is not batch-invariant. On cuda the dense layers are the Triton kernel
 of `kernels/triton_invariant.py` (the same bits for a row at every M), or `F.linear` (cuBLAS)
-when invariance is turned off or triton is missing."""
+when invariance is turned off or triton is missing. An FP8 checkpoint's weights, where a GPU
+keeps them in FP8 (`fp8.py`), go through `torch._scaled_mm` instead."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from pdserve.common.models import fp8
 from pdserve.kernels import invariant_gemm
 from pdserve.kernels import skinny_linear as skinny
 
@@ -63,6 +65,11 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.float32_out = float32_out
+        # An FP8 weight kept for the device's FP8 matmul (`fp8.py`), else None.
+        self.fp8 = fp8.Fp8Linear(weight) if isinstance(weight, fp8.Fp8Weight) else None
+        if self.fp8 is not None:
+            self.path, self.gpu, self.packed, self.weight = None, None, False, weight
+            return
         # The invariant kernel's path ("amx", "avx512_bf16", "avx512", "avx2"), or None.
         self.path = invariant_gemm.path_for(weight)
         self.gpu = invariant_gemm.gpu_kernels(weight)  # cuda: the Triton kernel
@@ -81,6 +88,8 @@ class Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8(x, self.bias, self.float32_out)
         if self.path is not None:
             return invariant_gemm.gemm(
                 x, self.weight, self.out_features, self.bias, self.path, self.float32_out
