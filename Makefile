@@ -37,7 +37,7 @@ help:
 	@echo "make gpu-check   - the GPU check on this host's device (its CPU dry run where there is no GPU), JSON"
 	@echo "make gpu-payload - .gpu-payload/: the wheels, tokenizer and stubs a GPU machine without network needs"
 	@echo "make docs    - the docs site (MkDocs, Material) into site/"
-	@echo "make chaos   - every cell of the fault matrix, its table into docs/chaos-matrix.md"
+	@echo "make chaos   - every cell of the fault matrix, its table into docs/snippets/chaos-matrix.md and the README"
 	@echo "make install - create .venv with torch, pdserve (editable), the default model"
 
 install: $(STAMP) $(HELM) $(PROMTOOL)
@@ -117,9 +117,10 @@ lint: install
 		NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"
 
 # Every cell of the fault matrix (tests/integration/chaos.py; `make test` runs a subset), its
-# outcome table written to docs/chaos-matrix.md (the reliability page includes it).
+# outcome table written to docs/snippets/chaos-matrix.md (docs/reliability.md includes it;
+# the README keeps a copy).
 chaos: install
-	PDSERVE_CHAOS=all PDSERVE_CHAOS_TABLE=docs/chaos-matrix.md $(PY) -m pytest -q \
+	PDSERVE_CHAOS=all PDSERVE_CHAOS_TABLE=docs/snippets/chaos-matrix.md $(PY) -m pytest -q \
 		-p no:cacheprovider tests/integration/test_chaos_matrix.py
 
 # Constrained decoding (JSON schema, regex) against unconstrained, pdserve beside vLLM-CPU.

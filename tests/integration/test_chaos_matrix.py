@@ -3,7 +3,8 @@ life on one role, runs eight streams through it, and checks its contract: the fa
 phase it names; with a spare worker every stream completes with the fault-free tokens, else
 it ends with a clear error (never a hang, never a wrong token); every surviving worker frees
 every KV block and lease within the lease. `make test` runs a representative subset, `make
-chaos` every cell and writes the outcome table (PDSERVE_CHAOS_TABLE) for the docs."""
+chaos` every cell and writes the outcome table (PDSERVE_CHAOS_TABLE) for the docs, and its copy into
+the README."""
 
 from __future__ import annotations
 
@@ -34,7 +35,14 @@ def cluster():
                 f"{platform.machine()}: {sum(r['ok'] for r in ROWS)} of {len(ROWS)} cells "
                 "held -->\n"
             )
-            Path(out).write_text(head + table(ROWS))
+            text = head + table(ROWS)
+            Path(out).write_text(text)
+            readme = Path(__file__).resolve().parents[2] / "README.md"  # its copy of the table
+            begin, end = "<!-- chaos-matrix: begin", "<!-- chaos-matrix: end -->"
+            page = readme.read_text()
+            if begin in page and end in page:
+                start = page.index("\n", page.index(begin)) + 1
+                readme.write_text(page[:start] + text + page[page.index(end) :])
 
 
 @pytest.fixture(scope="module")
