@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.models.families import unmasked_window
 
 # A prompt: text, chat messages ([{"role": ..., "content": ...}]), or token ids.
 Prompt = str | list[dict[str, Any]] | list[int]
@@ -96,11 +97,11 @@ def tokenize_prompt(
 
 
 def max_model_len(hf_config: Any, configured: int | None) -> int:
-    """The longest prompt + output: the model's position limit (and sliding window, since
-    we attend over the full context), lowered by `configured` if given."""
+    """The longest prompt + output: the model's position limit (and the sliding window of a
+    family whose window we do not mask, since we then attend over the full context),
+    lowered by `configured` if given."""
     limit = hf_config.max_position_embeddings
-    if getattr(hf_config, "sliding_window", None) and getattr(
-        hf_config, "use_sliding_window", True
-    ):
-        limit = min(limit, hf_config.sliding_window)
+    window = unmasked_window(hf_config)
+    if window:
+        limit = min(limit, window)
     return min(configured or limit, limit)

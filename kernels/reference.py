@@ -3,9 +3,10 @@
 The model runner calls `write_kv`, `decode_attention` and `prefill_attention` (through
 `pdserve.kernels.attention`) for every layer of every step; this module implements them the
 simplest possible way, one token and one sequence at a time, in float32 with an explicit
-causal mask. It is never the default backend: it is the yardstick the fast backends are
-tested against (together with `dense_attention`, the naive dense oracle), and it can be
-forced with ``PDSERVE_ATTENTION_BACKEND=reference`` to rule the kernels out when debugging.
+causal (and, for a sliding-window layer, window) mask. It is never the default backend: it
+is the yardstick the fast backends are tested against (together with `dense_attention`, the
+naive dense oracle), and it can be forced with ``PDSERVE_ATTENTION_BACKEND=reference`` to
+rule the kernels out when debugging.
 
 `moe_experts` plays the same part for the routed experts of a mixture-of-experts layer
 (`pdserve.kernels.moe`): one token and one chosen expert at a time, in float64.
@@ -20,13 +21,19 @@ from torch import Tensor
 
 
 def dense_attention(
-    q: Tensor, k: Tensor, v: Tensor, causal_offset: int, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal_offset: int,
+    scale: float | None = None,
+    window: int = 0,
 ) -> Tensor:
     """Naive dense GQA attention in float64, returned as float32.
 
-    q [Tq, H, D], k/v [Tk, KVH, D]; query row i sits at position ``i + causal_offset`` and
-    attends to key positions ``j <= i + causal_offset``. Query head h reads kv head
-    ``h // (H // KVH)``. `scale` defaults to ``1 / sqrt(D)``.
+    q [Tq, H, D], k/v [Tk, KVH, D]; query row i sits at position ``p = i + causal_offset`` and
+    attends to key positions ``j <= p`` (and ``j > p - window`` when `window` > 0: a
+    sliding-window layer). Query head h reads kv head ``h // (H // KVH)``. `scale` defaults
+    to ``1 / sqrt(D)``.
     """
     tq, num_heads, head_dim = q.shape
     tk, num_kv_heads, _ = k.shape
@@ -39,9 +46,15 @@ def dense_attention(
     scores = torch.matmul(qd, kd.transpose(1, 2)) * scale  # [H, Tq, Tk]
     qpos = torch.arange(tq).unsqueeze(1) + causal_offset
     kpos = torch.arange(tk).unsqueeze(0)
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    scores = scores.masked_fill(_masked(qpos, kpos, window), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vd).permute(1, 0, 2).float()
+
+
+def _masked(qpos: Tensor, kpos: Tensor, window: int) -> Tensor:
+    """True where key position kpos is out of query position qpos's reach."""
+    out = kpos > qpos
+    return out | (kpos <= qpos - window) if window > 0 else out
 
 
 def write_kv(
@@ -72,8 +85,11 @@ def gather_kv(
     return torch.stack(keys), torch.stack(values)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, context_len: int, scale: float) -> Tensor:
-    """Causal float32 attention of q [Tq, H, D] (the last Tq of context_len positions)."""
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, context_len: int, scale: float, window: int = 0
+) -> Tensor:
+    """Causal float32 attention of q [Tq, H, D] (the last Tq of context_len positions), over
+    the last `window` positions of each query's context when `window` > 0."""
     tq, num_heads, _ = q.shape
     group = num_heads // k.shape[1]
     qf = q.float().permute(1, 0, 2)
@@ -82,7 +98,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, context_len: int, scale: float) -> 
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
     qpos = torch.arange(context_len - tq, context_len).unsqueeze(1)
     kpos = torch.arange(context_len).unsqueeze(0)
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    scores = scores.masked_fill(_masked(qpos, kpos, window), float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), vf).permute(1, 0, 2)
 
 
@@ -93,12 +109,14 @@ def decode_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
-    """One query token per sequence over its first seq_lens[b] cached positions."""
+    """One query token per sequence over its first seq_lens[b] cached positions (the last
+    `window` of them when `window` > 0)."""
     out = torch.empty_like(query)
     for b, length in enumerate(seq_lens.tolist()):
         k, v = gather_kv(kv_cache, layer, block_tables[b], length)
-        out[b] = _attend(query[b : b + 1], k, v, length, scale)[0].to(query.dtype)
+        out[b] = _attend(query[b : b + 1], k, v, length, scale, window)[0].to(query.dtype)
     return out
 
 
@@ -112,8 +130,10 @@ def prefill_attention(
     seq_lens: list[int],
     block_tables: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
-    """Causal attention of each chunk's queries over its cached prefix plus the chunk itself."""
+    """Causal attention of each chunk's queries over its cached prefix plus the chunk itself
+    (each query over the last `window` positions of its context when `window` > 0)."""
     out = torch.empty_like(query)
     for s, length in enumerate(seq_lens):
         start, end = query_start_loc[s], query_start_loc[s + 1]
@@ -127,7 +147,7 @@ def prefill_attention(
             v = torch.cat([vp, value[start:end].float()])
         else:
             k, v = key[start:end].float(), value[start:end].float()
-        out[start:end] = _attend(query[start:end], k, v, length, scale).to(query.dtype)
+        out[start:end] = _attend(query[start:end], k, v, length, scale, window).to(query.dtype)
     return out
 
 

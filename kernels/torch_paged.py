@@ -6,6 +6,8 @@ and cpu ones when the C++ extension is unavailable: `write_kv` is one `index_put
 decode gathers every sequence's context out of the blocks into a padded batch and runs masked
 `scaled_dot_product_attention`, prefill runs it per sequence (causal when the chunk is the
 whole context, with a bottom-right-aligned causal mask over the gathered context otherwise).
+A sliding-window layer (`window` > 0) masks each query's keys to the last `window` positions
+of its context, in decode and prefill alike.
 Query heads are grouped by kv head instead of repeating K/V, so GQA costs no extra copy.
 """
 
@@ -61,14 +63,18 @@ def decode_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
-    """query [B, H, D] at position seq_lens[b]-1 over positions [0, seq_lens[b]); [B, H, D]."""
+    """query [B, H, D] at position seq_lens[b]-1 over positions [0, seq_lens[b]) (the last
+    `window` of them when `window` > 0); [B, H, D]."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]
     lens = seq_lens.to(device=query.device, dtype=torch.long)
     max_len = int(lens.max())
     pos = torch.arange(max_len, device=query.device)
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, max_len]
+    if window > 0:
+        valid &= pos.unsqueeze(0) >= lens.unsqueeze(1) - window
     # Padding positions read the sequence's own last token (always written, so finite):
     # stale or never-written slots could hold NaN, which a mask alone would not cancel.
     pos = torch.where(valid, pos.unsqueeze(0), lens.unsqueeze(1) - 1)
@@ -114,8 +120,10 @@ def prefill_attention(
     seq_lens: list[int],
     block_tables: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
-    """Causal attention of each chunk (the last q_len of seq_lens[s] positions); [T, H, D]."""
+    """Causal attention of each chunk (the last q_len of seq_lens[s] positions), each query
+    over the last `window` positions of its context when `window` > 0; [T, H, D]."""
     out = torch.empty_like(query)
     for s, length in enumerate(seq_lens):
         start, end = query_start_loc[s], query_start_loc[s + 1]
@@ -127,7 +135,11 @@ def prefill_attention(
             mask = None
         else:
             k, v = gather_context(kv_cache, layer, block_tables[s], length)
+        if length != q_len or window > 0:
             qpos = torch.arange(length - q_len, length, device=query.device).unsqueeze(1)
-            mask = torch.arange(length, device=query.device).unsqueeze(0) <= qpos
+            kpos = torch.arange(length, device=query.device).unsqueeze(0)
+            mask = kpos <= qpos
+            if window > 0:
+                mask &= kpos > qpos - window
         out[start:end] = _attend(query[start:end], k, v, mask, scale)
     return out

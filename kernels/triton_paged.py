@@ -19,7 +19,13 @@ decoded or sat at any row of any chunk, next to any batch (the determinism contr
 docs/engine.md). That holds because the tile shape is the same for every call: it depends
 on the model's head layout alone, never on the batch or the chunk. It assumes finite K/V: a
 row multiplies the V of later tokens in its tile by an exact zero, which an inf or NaN there
-(a model that already overflowed) would turn into NaN. `write_kv` is the torch
+(a model that already overflowed) would turn into NaN.
+
+A sliding-window layer (`window` > 0) masks each row to the last `window` positions of its
+context and starts the walk at the key tile holding the tile's first row's first key (tiles
+sit at multiples of the key tile, so decode and prefill walk the same ones); a key tile a
+row does not reach yet leaves its state exactly as it was (the running max stays -inf and
+adds nothing), so the same bits hold for windowed rows. `write_kv` is the torch
 backend's. Checked with the Triton interpreter (on CPU tensors) and, when one is lent, on a
 GPU (benchmarks/gpu_check).
 """
@@ -56,7 +62,7 @@ if triton is not None:
 
     # Neither the decode flag nor the block tables' width (it differs between decode, CUDA
     # graphs and prefill) is specialised on: decode and prefill run one compiled kernel.
-    @triton.jit(do_not_specialize=["decode", "table_stride"])
+    @triton.jit(do_not_specialize=["decode", "table_stride", "window"])
     def _attention_kernel(
         q_ptr,
         kv_ptr,
@@ -76,6 +82,7 @@ if triton is not None:
         value_offset,
         layer_offset,
         table_stride,
+        window,
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -103,6 +110,10 @@ if triton is not None:
         real = token < tokens
         # Padding rows attend to key 0 only: finite, never stored.
         row_len = tl.where(real, last_len - tokens + 1 + token, 1)
+        # Sliding window: a row's first key; the walk starts at the first row's key tile.
+        row_lo = tl.where(window > 0, row_len - window, 0)
+        first_lo = tl.maximum(tl.where(window > 0, last_len - tokens + 1 - window, 0), 0)
+        key_begin = (first_lo // BLOCK_N) * BLOCK_N
         d = tl.arange(0, BLOCK_D)
         q_offsets = (start + token).to(tl.int64)[:, None] * q_stride_t
         q_offsets += (kv_head * GROUP + r % GROUP)[:, None] * q_stride_h + d[None, :]
@@ -114,7 +125,7 @@ if triton is not None:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for key_start in range(0, last_len, BLOCK_N):
+        for key_start in range(key_begin, last_len, BLOCK_N):
             pos = key_start + n
             loaded = pos < last_len
             block = tl.load(tables_ptr + seq * table_stride + pos // BLOCK_SIZE, mask=loaded)
@@ -124,17 +135,21 @@ if triton is not None:
             k = tl.load(kv_ptr + offsets, mask=kd_mask, other=0.0)
             s = invariant_dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                               IEEE, INTERPRETED)  # fmt: skip
-            s = tl.where(pos[None, :] < row_len[:, None], s * scale, float("-inf"))
+            reach = (pos[None, :] < row_len[:, None]) & (pos[None, :] >= row_lo[:, None])
+            s = tl.where(reach, s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            # A row with no key in reach yet: exp(-inf) = 0 keeps its zeros (not a NaN).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
             v = tl.load(kv_ptr + value_offset + offsets, mask=kd_mask, other=0.0)
             # p rounded to V's dtype for the tensor cores, as flash attention does.
             acc = invariant_dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, INTERPRETED)
             m = m_new
 
-        out = acc / denom[:, None]
+        # (Padding rows of a windowed tile may reach no key: 0 / 1, never stored.)
+        out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
         tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -159,6 +174,7 @@ def _launch(
     lens: Tensor,
     tiles: tuple[Tensor, Tensor, Tensor] | None,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
     """Runs the kernel over `lens.numel()` tiles: decode tiles when `tiles` is None, else
     (sequence, first row, tokens) per tile; `lens` is each tile's last token's context."""
@@ -196,6 +212,7 @@ def _launch(
         strides[2],
         layer * strides[1],
         tables.stride(0),
+        window,
         GROUP=group,
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
@@ -216,12 +233,14 @@ def decode_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
-    """query [B, H, D] at position seq_lens[b]-1, attending straight from the blocks."""
+    """query [B, H, D] at position seq_lens[b]-1, attending straight from the blocks (to the
+    last `window` positions when `window` > 0)."""
     device = query.device
     tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
     lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
-    return _launch(query, kv_cache, layer, tables, lens, None, scale)
+    return _launch(query, kv_cache, layer, tables, lens, None, scale, window)
 
 
 def prefill_tiles(
@@ -266,14 +285,15 @@ def prefill_attention(
     seq_lens: list[int],
     block_tables: Tensor,
     scale: float,
+    window: int = 0,
 ) -> Tensor:
     """Causal chunks by tiles of the decode program's shape: row i of sequence s (the last
     q_len of seq_lens[s] positions, K/V already written) attends over its first
-    seq_lens[s] - q_len + i + 1."""
+    seq_lens[s] - q_len + i + 1 (the last `window` of them when `window` > 0)."""
     del key, value  # read from the cache, like decode
     group, block_m = _tile_shape(query.shape[1], kv_cache.shape[4])
     seq, starts, tokens, lens = _device_tiles(
         tuple(query_start_loc), tuple(seq_lens), block_m // group, query.device
     )
     tables = block_tables.to(device=query.device, dtype=torch.int32).contiguous()
-    return _launch(query, kv_cache, layer, tables, lens, (seq, starts, tokens), scale)
+    return _launch(query, kv_cache, layer, tables, lens, (seq, starts, tokens), scale, window)

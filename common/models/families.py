@@ -3,8 +3,12 @@
 `check_architecture` (at model resolution) asks `SUPPORTED_ARCHITECTURES`; the model loader
 asks `family_for(config)` which parts a checkpoint's layers have: a dense gated MLP or a
 sparse mixture-of-experts block, where the MoE weights live in the state dict, how the
-router normalises its top-k weights, whether there is a shared expert, and which q/k norm
-the attention uses. One forward pass (`llama.py`) serves every family from these switches.
+router normalises its top-k weights, whether there is a shared expert, which q/k norm
+the attention uses, and Gemma 3's decoder-layer differences (norms around attention and the
+MLP, (1 + weight) RMSNorm, scaled embeddings, the GELU MLP, the query scale, a rotary base
+per layer kind). `layer_windows` says which layers attend over a sliding window. One
+forward pass (`llama.py`) serves every family from these switches; a config field that
+would change the math in a way we do not build is refused naming the field and its value.
 
 No torch import here: the CLI checks a model folder before loading anything heavy."""
 
@@ -16,6 +20,7 @@ from typing import Any, Literal
 from pdserve.common.errors import ModelLoadError
 
 QkNorm = Literal["none", "full", "per_head"]
+SLIDING, FULL = "sliding_attention", "full_attention"  # config `layer_types` entries
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,16 @@ class ModelFamily:
     qk_norm: QkNorm = "none"
     clip_qkv: bool = False  # config `clip_qkv` clamps q, k, v after the norms
     moe: MoeSpec | None = None
+    # The config field naming the MLP's activation, and the activations we build for it.
+    act_attr: str = "hidden_act"
+    acts: tuple[str, ...] = ("silu",)
+    # Sliding-window layers (config `layer_types` / `sliding_window`) are masked; otherwise a
+    # window in effect bounds the context instead (`unmasked_window`).
+    sliding_layers: bool = False
+    # Gemma: RMSNorm scales by (1 + weight) in float32; a norm after attention and before
+    # and after the MLP; embeddings times sqrt(hidden_size); the query scale from
+    # `query_pre_attn_scalar`; a rotary table per layer kind (`rope_local_base_freq`).
+    gemma: bool = False
 
 
 _QWEN_EXPERTS = dict(
@@ -61,6 +76,15 @@ FAMILIES: dict[str, ModelFamily] = {
     "LlamaForCausalLM": ModelFamily("llama"),
     "MistralForCausalLM": ModelFamily("mistral"),
     "Qwen2ForCausalLM": ModelFamily("qwen2"),
+    "Qwen3ForCausalLM": ModelFamily("qwen3", qk_norm="per_head", sliding_layers=True),
+    "Gemma3ForCausalLM": ModelFamily(
+        "gemma3",
+        qk_norm="per_head",
+        act_attr="hidden_activation",
+        acts=("gelu_pytorch_tanh",),
+        sliding_layers=True,
+        gemma=True,
+    ),
     "MixtralForCausalLM": ModelFamily(
         "mixtral",
         moe=MoeSpec(
@@ -110,8 +134,18 @@ KNOWN_UNSUPPORTED_MOE = (
 )  # fmt: skip
 
 
+# Architectures whose text decoder we run under another name, for a precise error.
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def unsupported_architecture_message(architectures: list[str] | str) -> str:
     names = architectures if isinstance(architectures, list) else [architectures]
+    multimodal = [a for a in names if a in TEXT_ONLY]
+    if multimodal:
+        return (
+            f"model: architecture {multimodal[0]!r} (image and text) is not supported; its "
+            f"text-only checkpoints ({TEXT_ONLY[multimodal[0]]}) are"
+        )
     moe = [a for a in names if a in KNOWN_UNSUPPORTED_MOE]
     if moe:
         return (
@@ -134,7 +168,76 @@ def family_for(config: Any) -> ModelFamily:
         raise ModelLoadError(unsupported_architecture_message(names or config.model_type))
     if family.moe is not None:
         _check_moe_variant(config, family)
+    if family.sliding_layers or family.gemma:
+        _check_dense_variant(config, family)
     return family
+
+
+def _check_dense_variant(config: Any, family: ModelFamily) -> None:
+    """Qwen3 and Gemma 3: refuse, naming the field and its value, what would change the math
+    in a way the forward pass does not build."""
+    arch = f"{family.name} model"
+    act = getattr(config, family.act_attr, None)
+    if act not in family.acts:
+        raise ModelLoadError(
+            f"model: {arch} with {family.act_attr}={act!r} is not supported "
+            f"({', '.join(family.acts)} only)"
+        )
+    kinds = list(getattr(config, "layer_types", None) or [])
+    odd = [k for k in kinds if k not in (SLIDING, FULL)]
+    if odd or (kinds and len(kinds) != config.num_hidden_layers):
+        raise ModelLoadError(
+            f"model: {arch} with layer_types={kinds!r} is not supported (one of "
+            f"{SLIDING!r} or {FULL!r} per layer)"
+        )
+    window = getattr(config, "sliding_window", None)
+    if SLIDING in kinds and not (isinstance(window, int) and window >= 1):
+        raise ModelLoadError(
+            f"model: {arch} with sliding layers needs sliding_window >= 1, got {window!r}"
+        )
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise ModelLoadError(
+                f"model: {arch} with {name}={getattr(config, name)!r} is not supported "
+                "(set it to null)"
+            )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelLoadError(
+            f"model: {arch} with use_bidirectional_attention=True is not supported "
+            "(causal attention only)"
+        )
+    params = getattr(config, "rope_parameters", None) or {}
+    per_kind = params.values() if family.gemma else [params]
+    for rope in per_kind:
+        kind = (rope or {}).get("rope_type", "default")
+        if kind in ("dynamic", "longrope"):  # rescaled with the sequence length at run time
+            raise ModelLoadError(
+                f"model: {arch} with rope_parameters.rope_type={kind!r} is not supported"
+            )
+
+
+def layer_windows(config: Any, family: ModelFamily) -> list[int]:
+    """Per decoder layer, the sliding window its attention is masked to (0: full causal
+    attention); all 0 for a family whose windows we do not mask (`unmasked_window`)."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None) or 0
+    if not family.sliding_layers or not kinds:
+        return [0] * config.num_hidden_layers
+    return [window if kind == SLIDING else 0 for kind in kinds]
+
+
+def unmasked_window(config: Any) -> int | None:
+    """The sliding window a model's config puts in effect where its family does not mask it:
+    we then attend over the whole context, so a prompt and its output must fit in the
+    window. None where there is none, or the family masks it (Qwen3, Gemma 3)."""
+    names = list(getattr(config, "architectures", None) or [])
+    family = next((FAMILIES[a] for a in names if a in FAMILIES), None)
+    if family is not None and family.sliding_layers:
+        return None
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return int(window)
+    return None
 
 
 def _check_moe_variant(config: Any, family: ModelFamily) -> None:

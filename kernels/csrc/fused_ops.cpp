@@ -13,6 +13,12 @@
 //   into a new tensor and an in-place multiply, with torch's two roundings (silu rounded, then
 //   the product). Its exp is the attention kernels' polynomial, not torch's, so an element
 //   can differ from torch's by an ulp or so; it is elementwise, so no bit depends on the batch.
+// - GELU(tanh)-and-multiply (Gemma's MLP), with torch's two roundings (the GELU, then the
+//   product). torch's own kernel takes a vector tanh for most elements and the scalar one
+//   for a call's tail and near its thread splits, whose places depend on the batch; here
+//   every element takes the same lane-wise code (tanh from the exp8 polynomial, a row's
+//   tail padded to a full vector), so no bit depends on the batch. Without AVX2 + FMA: libm's
+//   tanh for every element.
 // - Greedy argmax over float32 logits rows (the sampler's common case): torch's argmax walks a
 //   row one element at a time (~30 us for SmolLM2's 49152-token vocabulary, ~0.5 ms a step at
 //   batch 16); this one compares 32 at a time and gives torch's answer (first index on ties,
@@ -336,6 +342,88 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 #endif
 }
 
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+constexpr float kGeluKappa = 0.044715f;
+
+// 8 lanes of 0.5 g (1 + tanh(b (g + k g^3))), tanh(z) = sign(z) (1 - e) / (1 + e) with
+// e = exp(-2 |z|) <= 1 (no overflow; for small z the cancellation is harmless next to 1).
+F32_TARGET inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 inner = _mm256_mul_ps(
+      _mm256_set1_ps(kGeluBeta), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), cube)));
+  const __m256 e = pdserve_simd::exp8(_mm256_mul_ps(_mm256_set1_ps(-2.f), _mm256_andnot_ps(sign, inner)));
+  const __m256 t = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                                _mm256_and_ps(sign, inner));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
+}
+
+// One row of `inter` values, 8 at a time through float buffers (the tail zero-padded).
+template <typename T>
+F32_TARGET void gelu_tanh_and_mul_row(const T* gate, const T* up, T* o, int64_t inter) {
+  alignas(32) float g[8], u[8], y[8];
+  for (int64_t i = 0; i < inter; i += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, inter - i));
+    for (int j = 0; j < 8; ++j) {
+      g[j] = j < n ? static_cast<float>(gate[i + j]) : 0.f;
+      u[j] = j < n ? static_cast<float>(up[i + j]) : 0.f;
+    }
+    _mm256_store_ps(y, gelu_tanh8(_mm256_load_ps(g)));
+    for (int j = 0; j < n; ++j) {
+      const float act = static_cast<float>(round_to<T>(y[j]));
+      o[i + j] = round_to<T>(act * u[j]);
+    }
+  }
+}
+
+// out[r] <- round(round(gelu_tanh(gate)) * up) for x[r] = [gate | up], in x's dtype.
+template <typename T>
+void gelu_tanh_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
+  const bool vec = cpu_has_avx2_fma();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * inter;
+      const T* up = gate + inter;
+      T* o = out + r * inter;
+      if (vec) {
+        gelu_tanh_and_mul_row(gate, up, o, inter);
+        continue;
+      }
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float cube = g * g * g;
+        const float inner = kGeluBeta * (g + kGeluKappa * cube);
+        const T act = round_to<T>(0.5f * g * (1.f + std::tanh(inner)));
+        o[i] = round_to<T>(static_cast<float>(act) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// x [T, 2I] (gate then up) -> [T, I].
+torch::Tensor gelu_tanh_and_mul(const torch::Tensor& x) {
+  check_cpu_contiguous(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "gelu_tanh_and_mul: [T, 2I]");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({rows, inter}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      gelu_tanh_and_mul_impl(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+      break;
+    case at::kBFloat16:
+      gelu_tanh_and_mul_impl(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows,
+                             inter);
+      break;
+    case at::kHalf:
+      gelu_tanh_and_mul_impl(x.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, inter);
+      break;
+    default:
+      TORCH_CHECK(false, "gelu_tanh_and_mul: float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 // logits [N, V] float32 -> int64 [N]: each row's argmax (argmax_row_f32), a row per thread.
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   check_cpu_contiguous(logits, "logits");
@@ -360,6 +448,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, py::call_guard<py::gil_scoped_release>());
   static_assert(std::is_same_v<decltype(&add_rms_norm), pdserve_entry::AddRmsNormFn>);
   static_assert(std::is_same_v<decltype(&rotary_), pdserve_entry::RotaryFn>);
   static_assert(std::is_same_v<decltype(&silu_and_mul), pdserve_entry::SiluAndMulFn>);

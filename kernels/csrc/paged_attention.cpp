@@ -21,6 +21,11 @@
 // one call scores), the same two-pass softmax over exactly the row's context, and the same
 // value kernel (keys past the row's context add exact zeros). The context is never split
 // across threads (no split-K: its merge would round differently from the unsplit sum).
+//
+// Sliding-window layers (`window` > 0): a row at position p attends to keys (p - window, p].
+// Its softmax runs over exactly that range (the same lanes in decode and prefill), blocks
+// wholly before it are not read, and keys of a block read for the row's neighbours that lie
+// before it weigh an exact zero, so the invariance above holds for windowed rows too.
 // The SIMD kernels live in paged_attention_simd.h.
 
 #include <ATen/Parallel.h>
@@ -45,7 +50,13 @@ using namespace pdserve_attention;
 struct Geometry {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks;
   int64_t block_stride, layer_offset, value_offset, token_stride, table_stride;
+  int64_t window;  // 0: full causal attention; else each row's last `window` positions
   float scale;
+
+  // The first key a row with `ctx` positions of context attends to.
+  int first_key(int ctx) const {
+    return window > 0 && ctx > window ? ctx - static_cast<int>(window) : 0;
+  }
 };
 
 struct Item {
@@ -102,6 +113,9 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
   const int ctx_max = base_ctx + it.rows - 1;
   const int64_t ld = (ctx_max + 31) & ~int64_t{31};
   auto ctx_of = [&](int r) { return base_ctx + r / G; };
+  // Rows' first keys grow with r: a group of rows starts reading at its first row's block.
+  auto lo_of = [&](int r) { return geo.first_key(ctx_of(r)); };
+  const int b_first = lo_of(0) / BS;
 
   const size_t qsize = static_cast<size_t>(R) * D;
   sc.qraw.resize(qsize);
@@ -117,7 +131,7 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
     for (size_t e = 0; e < qsize; ++e) sc.qf[e] = static_cast<float>(sc.qraw[e]);
 
   const int nblocks = (ctx_max + BS - 1) / BS;
-  for (int b = 0; b < nblocks; ++b)
+  for (int b = b_first; b < nblocks; ++b)
     if (table[b] < 0 || table[b] >= geo.num_blocks) return false;
   const T* head_base = cache + geo.layer_offset + it.kv_head * D;
   float* scores = sc.scores.data();
@@ -127,14 +141,14 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
   // rows measured no better at prefill shapes; decode, bound by DRAM, does prefetch.)
   for (int pass = 0; pass < 2; ++pass) {
     const int64_t kv_off = pass == 0 ? 0 : geo.value_offset;
-    for (int b = 0; b < nblocks; ++b) {
+    for (int b = b_first; b < nblocks; ++b) {
       const int j0 = b * BS;
       const int n = std::min(BS, ctx_max - j0);
       const T* rows = head_base + table[b] * geo.block_stride + kv_off;
       for (int q0 = 0; q0 < R; q0 += 4) {
         const int nq = std::min(4, R - q0);
         const int nn = std::min(n, ctx_of(q0 + nq - 1) - j0);  // causal: the group's last row
-        if (nn <= 0) continue;
+        if (nn <= 0 || j0 + nn <= lo_of(q0)) continue;  // window: before the group's reach
         if (pass == 0)
           kern.qk(sc.qf.data() + q0 * D, sc.qraw.data() + q0 * D, nq, D, rows, geo.token_stride,
                   nn, scores + q0 * ld + j0, ld);
@@ -144,9 +158,14 @@ bool run_item(const Geometry& geo, const Kernels<T>& kern, const T* cache, const
       }
     }
     if (pass == 1) break;
-    for (int r = 0; r < R; ++r)
-      sc.inv[r] = softmax_row(scores + r * ld, ctx_of(r), ctx_max, geo.scale);
-    probs_to_bf16(kern, sc, scores, R, ld, ctx_max);
+    const int jb = (b_first * BS) & ~31;  // scores from here on are read (32-aligned)
+    for (int r = 0; r < R; ++r) {
+      const int lo = lo_of(r);
+      float* row = scores + r * ld;
+      std::fill(row + jb, row + lo, 0.f);
+      sc.inv[r] = softmax_row(row + lo, ctx_of(r) - lo, ctx_max - lo, geo.scale);
+    }
+    probs_to_bf16(kern, sc, scores + jb, R, ld, ctx_max - jb, jb);
   }
 #if defined(__AVX512BF16__)
   if (kern.bf16_dot) unpermute_bf16(sc.acc.data(), static_cast<int>(qsize));
@@ -200,6 +219,7 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
   const int BS = static_cast<int>(geo.block_size);
   const int R = static_cast<int>(geo.num_heads);
   const int n_tok = it.len;
+  const int lo = geo.first_key(n_tok), b_first = lo / BS;
   const int r_begin = it.h0 * G, r_end = it.h1 * G;
   const int64_t ld = (n_tok + 31) & ~int64_t{31};
   const size_t qsize = static_cast<size_t>(R) * D;
@@ -213,18 +233,21 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
     for (size_t e = 0; e < qsize; ++e) sc.qf[e] = static_cast<float>(sc.qraw[e]);
 
   const int nb = (n_tok + BS - 1) / BS;
-  for (int b = 0; b < nb; ++b)
+  for (int b = b_first; b < nb; ++b)
     if (table[b] < 0 || table[b] >= geo.num_blocks) return false;
   const T* layer_base = cache + geo.layer_offset;
   float* scores = sc.scores.data();
 
-  // Tile i of the item: the K tile of block i for i < nb, then the V tile of block i - nb.
+  // Tile i of the item: the K tile of its i-th block read (from b_first on) for i < na, then
+  // the V tile of block i - na.
+  const int na = nb - b_first;
   const int64_t tile_lines = (geo.value_offset * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int heads = it.h1 - it.h0;
   // Share `part` of `parts` of tile i: its first line and line count (none past the end).
   auto share = [&](int i, int part, int parts) -> std::pair<const char*, int64_t> {
-    if (i >= 2 * nb) return {nullptr, 0};
-    const T* p = layer_base + table[i % nb] * geo.block_stride + (i < nb ? 0 : geo.value_offset);
+    if (i >= 2 * na) return {nullptr, 0};
+    const T* p = layer_base + table[b_first + i % na] * geo.block_stride +
+                 (i < na ? 0 : geo.value_offset);
     const int64_t l0 = tile_lines * part / parts, l1 = tile_lines * (part + 1) / parts;
     return {reinterpret_cast<const char*>(p) + l0 * 64, l1 - l0};
   };
@@ -236,14 +259,14 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
 
   for (int pass = 0; pass < 2; ++pass) {
     const int64_t kv_off = pass == 0 ? 0 : geo.value_offset;
-    for (int b = 0; b < nb; ++b) {
+    for (int b = b_first; b < nb; ++b) {
       const int jt = b * BS;
       const int n = std::min(BS, n_tok - jt);
       const T* blk = layer_base + table[b] * geo.block_stride + kv_off;
       for (int h = it.h0; h < it.h1; ++h) {
         // The kernels that can spread this head's share of the tile kPrefetchTiles ahead over
         // their work get it; for the others it is prefetched here.
-        auto [pf, pf_lines] = share(pass * nb + b + kPrefetchTiles, h - it.h0, heads);
+        auto [pf, pf_lines] = share(pass * na + b - b_first + kPrefetchTiles, h - it.h0, heads);
         if (!spread) {
           if (pf) prefetch_lines(pf, 0, pf_lines);
           pf = nullptr;
@@ -264,9 +287,14 @@ bool run_decode(const Geometry& geo, const Kernels<T>& kern, const T* cache, con
       }
     }
     if (pass == 1) break;
-    for (int r = r_begin; r < r_end; ++r)
-      sc.inv[r] = softmax_row(scores + r * ld, n_tok, n_tok, geo.scale);
-    probs_to_bf16(kern, sc, scores + r_begin * ld, r_end - r_begin, ld, n_tok, r_begin * ld);
+    const int jb = (b_first * BS) & ~31;  // scores from here on are read (32-aligned)
+    for (int r = r_begin; r < r_end; ++r) {
+      float* row = scores + r * ld;
+      std::fill(row + jb, row + lo, 0.f);
+      sc.inv[r] = softmax_row(row + lo, n_tok - lo, n_tok - lo, geo.scale);
+    }
+    probs_to_bf16(kern, sc, scores + r_begin * ld + jb, r_end - r_begin, ld, n_tok - jb,
+                  r_begin * ld + jb);
   }
 #if defined(__AVX512BF16__)
   if (kern.bf16_dot)
@@ -366,16 +394,19 @@ void attention_impl(const Geometry& geo, const torch::Tensor& query, const torch
 
 // query [T, H, D]; kv_cache [num_blocks, num_layers, 2, block_size, KVH, D]; block_tables
 // [S, max_blocks] int32; seq_lens [S] int32; query_start_loc [S + 1] int32 (None: decode,
-// one query per sequence, T == S). Returns [T, H, D] in query's dtype.
-torch::Tensor paged_attention(torch::Tensor query, const torch::Tensor& kv_cache, int64_t layer,
-                              torch::Tensor block_tables, torch::Tensor seq_lens,
-                              c10::optional<torch::Tensor> query_start_loc, double scale) {
+// one query per sequence, T == S); window: 0, or each row attends to its context's last
+// `window` positions. Returns [T, H, D] in query's dtype.
+torch::Tensor windowed_attention(torch::Tensor query, const torch::Tensor& kv_cache,
+                                 int64_t layer, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                 c10::optional<torch::Tensor> query_start_loc, double scale,
+                                 int64_t window) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "cpu tensors expected");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(2) == 2,
               "kv_cache must be contiguous [num_blocks, num_layers, 2, block_size, KVH, D]");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == kv_cache.scalar_type(),
               "query must be [T, H, D] of the cache's dtype");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
                   seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
@@ -397,6 +428,7 @@ torch::Tensor paged_attention(torch::Tensor query, const torch::Tensor& kv_cache
   geo.block_stride = kv_cache.size(1) * 2 * geo.value_offset;
   geo.table_stride = block_tables.size(1);
   geo.scale = static_cast<float>(scale);
+  geo.window = window;
 
   const int64_t num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -445,6 +477,14 @@ torch::Tensor paged_attention(torch::Tensor query, const torch::Tensor& kv_cache
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
   return out;
+}
+
+// Full causal attention: the entry point other extensions call (entry_points.h).
+torch::Tensor paged_attention(torch::Tensor query, const torch::Tensor& kv_cache, int64_t layer,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              c10::optional<torch::Tensor> query_start_loc, double scale) {
+  return windowed_attention(std::move(query), kv_cache, layer, std::move(block_tables),
+                            std::move(seq_lens), std::move(query_start_loc), scale, 0);
 }
 
 // Copies key/value [T, KVH, D] into slot slot_mapping[t] (int64) of `layer`.
@@ -496,9 +536,9 @@ void write_kv(torch::Tensor kv_cache, int64_t layer, torch::Tensor key, torch::T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pdserve CPU paged attention kernels";
   // The kernels touch no Python object: other Python threads run meanwhile.
-  m.def("paged_attention", &paged_attention, "Attention straight from the paged KV cache",
+  m.def("paged_attention", &windowed_attention, "Attention straight from the paged KV cache",
         py::arg("query"), py::arg("kv_cache"), py::arg("layer"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("window") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "Store key/value rows into their cache slots", py::arg("kv_cache"),
         py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
