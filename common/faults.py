@@ -139,25 +139,19 @@ def arm_from_env() -> None:
 def hit(point: str) -> str | None:
     """Reach `point` (blocking): delay, fail, kill or stop here as armed; returns "corrupt"
     for the caller to act on, else None."""
-    if not _armed.faults:
-        return None
-    fault = _armed.fire(point)
-    if fault is None:
-        return None
-    if fault.action == "delay":
-        time.sleep(fault.seconds)
+    fault = _armed.fire(point) if _armed.faults else None
+    if fault is None or fault.action == "delay":
+        if fault is not None:
+            time.sleep(fault.seconds)
         return None
     return fault.action
 
 
 async def ahit(point: str) -> str | None:
     """`hit` on an event loop: a delay sleeps without blocking the loop."""
-    if not _armed.faults:
-        return None
-    fault = _armed.fire(point)
-    if fault is None:
-        return None
-    if fault.action == "delay":
-        await asyncio.sleep(fault.seconds)
+    fault = _armed.fire(point) if _armed.faults else None
+    if fault is None or fault.action == "delay":
+        if fault is not None:
+            await asyncio.sleep(fault.seconds)
         return None
     return fault.action
