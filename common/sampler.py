@@ -185,6 +185,9 @@ class Sampler:
         constrain = constraints is not None and any(c is not None for c in constraints)
         if not (bias or ban or penalise or constrain):
             return raw
+        if not (bias or ban or penalise):  # masks alone: written into a new tensor at once
+            assert constraints is not None
+            return apply_bitmasks(raw, constraints, inplace=False)
         logits = raw.clone()
         if bias:
             apply_logit_bias(logits, params)

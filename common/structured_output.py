@@ -190,18 +190,22 @@ class Constraint:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def apply_bitmasks(logits: Tensor, constraints: Sequence[Constraint | None]) -> Tensor:
-    """`logits` [N, V] with every constrained row's disallowed tokens at -inf (in place, on
-    CPU or CUDA); unconstrained rows untouched. On CUDA xgrammar's kernel applies the masks;
-    on CPU each byte of a mask picks a row of 8 additions (0 allowed, -inf not) from a table,
-    added in one pass: xgrammar's CPU function writes token by token, several times slower
-    at a JSON structure's positions, where almost every token is disallowed."""
+def apply_bitmasks(
+    logits: Tensor, constraints: Sequence[Constraint | None], inplace: bool = True
+) -> Tensor:
+    """`logits` [N, V] with every constrained row's disallowed tokens at -inf (in place, or
+    in a new tensor with `inplace=False`; CPU or CUDA); unconstrained rows untouched. On CUDA
+    xgrammar's kernel applies the masks; on CPU each byte of a mask picks a row of 8
+    additions (0 allowed, -inf not) from a table, added in one pass: xgrammar's CPU function
+    writes token by token, several times slower at a JSON structure's positions, where
+    almost every token is disallowed."""
     rows = [i for i, c in enumerate(constraints) if c is not None and not c.terminated]
     if not rows:
         return logits
     import xgrammar as xgr
 
     if logits.device.type != "cpu":
+        logits = logits if inplace else logits.clone()
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
         for i in rows:
             constraints[i].fill(bitmask, i)  # type: ignore[union-attr]
@@ -217,10 +221,9 @@ def apply_bitmasks(logits: Tensor, constraints: Sequence[Constraint | None]) -> 
     add = table.index_select(0, bitmask.view(torch.uint8).view(-1).int())
     add = add.view(len(rows), -1)[:, : logits.shape[1]]
     if len(rows) == logits.shape[0]:
-        logits.add_(add)
-    else:
-        logits.index_add_(0, torch.tensor(rows), add)
-    return logits
+        return logits.add_(add) if inplace else logits + add  # (a copy costs a pass)
+    logits = logits if inplace else logits.clone()
+    return logits.index_add_(0, torch.tensor(rows), add)
 
 
 _BYTE_MASKS: dict = {}  # dtype -> its [256, 8] table

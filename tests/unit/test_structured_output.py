@@ -150,7 +150,11 @@ def test_the_byte_table_masks_as_the_bits_and_xgrammar_say(rows):
 
     logits = torch.randn(4, vocab, generator=gen)
     ours = logits.clone()
-    apply_bitmasks(ours, [Given(i) if i in rows else None for i in range(4)])
+    given = [Given(i) if i in rows else None for i in range(4)]
+    apply_bitmasks(ours, given)
+    kept = logits.clone()
+    assert torch.equal(apply_bitmasks(kept, given, inplace=False), ours)
+    assert torch.equal(kept, logits)  # a new tensor: the input is left as it was
     theirs = logits.clone()
     xgr.apply_token_bitmask_inplace(theirs, words, indices=rows)
     assert torch.equal(ours, theirs)
