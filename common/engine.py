@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from pdserve.common.config import EngineConfig, default_threads
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidRequestError, WorkerBusyError
+from pdserve.common.handoff.handle import KvHandle
 from pdserve.common.handoff.remote_queue import RemoteQueueFull
 from pdserve.common.kv_cache_manager import KVCacheManager
 from pdserve.common.kv_host_tier import HostTier
@@ -67,6 +68,9 @@ class RequestOutput:
     # When it asked for them, on every output: its prompt tokens' (entry i is token i + 1's;
     # the first prompt token has none). Complete from the first output on.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # A stream's last output when its request moves to another worker (live migration):
+    # its KV, leased here (`common/handoff/migration.py`). `finished`, with no reason.
+    migrate_kv: KvHandle | None = None
 
 
 class LLMEngine:

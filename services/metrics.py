@@ -38,11 +38,11 @@ REFUSED = Counter(
     "pdserve_requests_refused",
     "Requests refused before any work: max_pending (queue full), ttft_target (the first "
     "token would miss --ttft-target-ms), unknown_prefill_worker (a KV handle naming an "
-    "address this worker does not know)",
+    "address this worker does not know), draining (a decode worker moving its streams out)",
     (*LABELS, "reason"),
 )
 MIGRATED = Counter(
-    "pdserve_kv_migrations",
+    "pdserve_kv_streams_migrated",
     "Running streams this decode worker handed, with their KV under a lease, to another "
     "decode worker as it drained (live migration)",
     LABELS,

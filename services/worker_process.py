@@ -19,6 +19,7 @@ from pdserve.common.handoff.slices import FollowerKv, gather_addresses
 from pdserve.common.kv_transfer import create_transport
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.colocated import ColocatedServicer
+from pdserve.services.decode.migration import MigrationSource, Migrator, migrate_on_sigterm
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
@@ -120,7 +121,7 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         group_size=group.world_size if group else 1,
         tp_addresses=tp_addresses,
     )
-    names = _add_servicer(worker, process, args)
+    names, migrator = _add_servicer(worker, process, args)
     status = StatusHub(worker, args.status_interval)
     worker_pb2_grpc.add_WorkerStatusServiceServicer_to_server(status, process.server)
     names.append("pdserve.v1.WorkerStatusService")
@@ -161,9 +162,13 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
         # A tensor-parallel group's other ranks, which serve nothing themselves.
         **({"rank_pids": [c.pid for c in tp_group.children]} if tp_group else {}),
     }
-    await process.run(
-        names, on_ready=lambda: print(json.dumps(ready), flush=True), grace_s=args.drain_timeout
-    )
+
+    def on_ready() -> None:
+        print(json.dumps(ready), flush=True)
+        if migrator is not None:  # SIGTERM moves the streams out first, then drains
+            migrate_on_sigterm(migrator, args.drain_timeout, lambda: status.drain(0))
+
+    await process.run(names, on_ready=on_ready, grace_s=args.drain_timeout)
     return 0
 
 
@@ -198,25 +203,33 @@ def advertised_address(flag: str | None, host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _add_servicer(worker: Worker, process: ServiceProcess, args: argparse.Namespace) -> list[str]:
+def _add_servicer(
+    worker: Worker, process: ServiceProcess, args: argparse.Namespace
+) -> tuple[list[str], Migrator | None]:
+    """The role's servicers on the server: the service names to advertise, and the decode
+    worker's live migration (one process, not a group of ranks) that its SIGTERM drives."""
     if worker.role == "prefill":
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(
             PrefillServicer(worker, args.kv_lease), process.server
         )
-        return ["pdserve.v1.PrefillService"]
+        return ["pdserve.v1.PrefillService"], None
     if worker.role == "decode":
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(
-                worker,
-                args.max_pending,
-                [a.strip() for a in args.prefill_workers.split(",") if a.strip()],
-                args.handoff_wait_ms / 1000,
-                keepalive_s=args.grpc_keepalive,
-            ),
-            process.server,
+        decode = DecodeServicer(
+            worker,
+            args.max_pending,
+            [a.strip() for a in args.prefill_workers.split(",") if a.strip()],
+            args.handoff_wait_ms / 1000,
+            keepalive_s=args.grpc_keepalive,
         )
-        return ["pdserve.v1.DecodeService"]
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode, process.server)
+        if worker.group_size == 1 and worker.tensor_parallel == 1:
+            # Served, not advertised: the pulls of the streams its drain moves (leased for
+            # the drain's length).
+            source = MigrationSource(worker, args.drain_timeout)
+            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(source, process.server)
+            decode.migrator = Migrator(worker, source.sender)
+        return ["pdserve.v1.DecodeService"], decode.migrator
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(
         ColocatedServicer(worker), process.server
     )
-    return ["pdserve.v1.GenerateService"]
+    return ["pdserve.v1.GenerateService"], None

@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.request import Request, RequestStatus
 
@@ -26,6 +26,9 @@ class Lease:
     request: Request
     expires_at: float  # time.monotonic() of this host: never another host's clock
     sending: bool = False  # a transfer is under way: it does not expire meanwhile
+    # The leased blocks, in sequence order: the request's, or (a running request migrating
+    # off a draining decode worker) those of its computed tokens.
+    block_ids: list[int] = field(default_factory=list)
 
 
 class LeaseError(KeyError):
@@ -53,10 +56,12 @@ class LeaseTable:
         """Leases held or ended: the engine's steps have work here (expiry, frees)."""
         return bool(self._leases or self._ended)
 
-    def grant(self, request: Request) -> Lease:
+    def grant(self, request: Request, num_blocks: int | None = None) -> Lease:
+        """Lease a PREFILLED request's blocks: all of them, or its first `num_blocks`."""
         assert request.status == RequestStatus.PREFILLED and request.blocks
         lease_id = f"{request.request_id}/{secrets.token_hex(8)}"
-        lease = Lease(lease_id, request, time.monotonic() + self.lease_s)
+        block_ids = request.block_ids[:num_blocks]
+        lease = Lease(lease_id, request, time.monotonic() + self.lease_s, block_ids=block_ids)
         with self._lock:
             self._leases[lease_id] = lease
         return lease
@@ -74,7 +79,7 @@ class LeaseTable:
                 )
             if lease.sending:
                 raise LeaseBusy(f"lease_id: {lease_id!r} is already being pulled")
-            block_ids = lease.request.block_ids
+            block_ids = lease.block_ids
             if not 0 <= first_block < len(block_ids):
                 raise ValueError(
                     f"first_block: must be in [0, {len(block_ids)}) for this lease, "

@@ -55,18 +55,22 @@ class KvSender:
     def tensor_parallel(self) -> int:
         return max(1, len(self.tp_addresses))
 
-    def grant(self, request: Request) -> KvHandle:
-        """Lease a PREFILLED request's blocks: the handle a decode worker pulls them by."""
-        lease = self.leases.grant(request)
+    def grant(self, request: Request, num_tokens: int | None = None) -> KvHandle:
+        """Lease a PREFILLED request's blocks: the handle a decode worker pulls them by.
+        `num_tokens`: the tokens whose KV the handle covers (default: the prompt; a running
+        request migrating off a draining decode worker gives its computed tokens)."""
         engine = self.engine
+        if num_tokens is None:
+            num_tokens = request.num_prompt_tokens
+        lease = self.leases.grant(request, -(-num_tokens // engine.config.block_size))
         return KvHandle(
             worker_id=self.worker_id,
             grpc_address=self.grpc_address,
             transport=self.transport.kind,
             transport_address=self.transport.address,
             lease_id=lease.lease_id,
-            block_ids=tuple(request.block_ids),
-            num_tokens=request.num_prompt_tokens,
+            block_ids=tuple(lease.block_ids),
+            num_tokens=num_tokens,
             block_size=engine.config.block_size,
             layout_fingerprint=engine.runner.layout_fingerprint,
             lease_deadline=lease.expires_at,

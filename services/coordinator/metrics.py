@@ -46,6 +46,14 @@ HANDOFF_RETRIES = Counter(
     "tried again, the prefill lease still holding the blocks",
     LABELS,
 )
+MIGRATIONS = Counter(
+    "pdserve_kv_migrations",
+    "Streams a draining decode worker handed over with their KV, by outcome: migrated (going "
+    "on on another decode worker from the pulled KV), kept (no other decode worker: the "
+    "draining one took it back and finished it) or recomputed (the move failed: a new leg "
+    "prefilled the prompt and the tokens sent, as after a lost worker)",
+    (*LABELS, "outcome"),
+)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", LABELS)
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated", LABELS)
 SUCCESS = Counter("pdserve_request_success", "Finished requests, by finish reason",
@@ -101,6 +109,12 @@ class RequestTimer:
         HANDOFF_RETRIES.labels(**self.labels).inc()
         if self.span is not None:
             self.span.add_event("pdserve.handoff_retry", {"reason": reason})
+
+    def migrated(self, outcome: str, reason: str = "") -> None:
+        """A draining decode worker handed the stream over: `outcome` as `MIGRATIONS`."""
+        MIGRATIONS.labels(**self.labels, outcome=outcome).inc()
+        if self.span is not None:
+            self.span.add_event("pdserve.migration", {"outcome": outcome, "reason": reason})
 
     def finished(self, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         now = time.monotonic()

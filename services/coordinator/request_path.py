@@ -30,7 +30,7 @@ from pdserve.services.coordinator.metrics import RequestTimer
 from pdserve.services.coordinator.pool import WorkerEndpoint, WorkerPool
 from pdserve.services.coordinator.router import NoWorkerError
 from pdserve.services.frontend import ContextLengthError, Frontend, ParsedRequest, usage
-from pdserve.v1 import decode_pb2, generate_pb2, prefill_pb2
+from pdserve.v1 import decode_pb2, generate_pb2, kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,20 @@ class DecodeBusy(Exception):
     def __init__(self, error: RequestFailed) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class Migrating(Exception):
+    """A draining decode worker handed a running stream over: `handle` leases its KV there
+    (every token sent but the last) on `source`."""
+
+    def __init__(self, handle: kv_pb2.KvHandle, source: WorkerEndpoint) -> None:
+        super().__init__(f"decode worker {source.address} drains")
+        self.handle = handle
+        self.source = source
+
+
+class MigrationFailed(Exception):
+    """A migrated leg ended before its new decode worker had the KV: the stream recomputes."""
 
 
 # A handoff a decode worker refused as busy is retried after 20 ms, doubling up to 0.2 s,
@@ -289,7 +303,9 @@ class Coordinator:
         the first token is replaced by another; a decode worker lost mid-stream is replaced
         by a new leg (prefill of the prompt plus every token already sent, then decode), so
         the client's stream goes on without a token repeated or skipped. Up to
-        `max_retries` replacements per request."""
+        `max_retries` replacements per request. A draining decode worker hands its streams
+        over with their KV (`Migrating`): each goes on on another decode worker from that KV
+        (`_migrated_leg`), or, when that fails, as after a lost worker."""
         assert self.prefill is not None and self.decode is not None
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -301,13 +317,26 @@ class Coordinator:
         generated: list[int] = []
         sent_chars = 0  # characters of text the client has
         cached_tokens: int | None = None
-        failed: list = []  # workers this request failed on
+        failed: list = []  # workers this request failed on, or that drained
+        drained = 0  # of which drained (no retry spent on them)
+        chars_before_last = 0  # characters the client had before the last token's text
+        last_tokens = 0  # tokens in the last response that carried any
+        migration: Migrating | None = None
         while True:
-            leg = self._leg(parsed, prompt, generated, sent_chars, remaining, timer, failed)
+            if migration is not None:
+                leg = self._migrated_leg(
+                    parsed, prompt, generated, chars_before_last, migration, remaining, timer,
+                    failed,
+                )  # fmt: skip
+            else:
+                leg = self._leg(parsed, prompt, generated, sent_chars, remaining, timer, failed)
+            migration = None
             try:
                 async for response, cached in leg:
                     if cached_tokens is None:
                         cached_tokens = cached
+                    if response.token_ids:
+                        chars_before_last, last_tokens = sent_chars, len(response.token_ids)
                     generated.extend(response.token_ids)
                     sent_chars += len(response.text)
                     if response.finish_reason:
@@ -316,13 +345,28 @@ class Coordinator:
                         )
                     yield response
                 return
+            except Migrating as e:
+                failed.append(e.source)
+                drained += 1
+                why = self._unmovable(e.handle, len(prompt) + len(generated) - 1, last_tokens)
+                if why is None:
+                    migration = e
+                else:
+                    self._release_moved(e)
+                    timer.migrated("recomputed", why)
+                    logger.warning("request %s: %s; recomputing", parsed.request_id, why)
+                continue
+            except MigrationFailed as e:
+                timer.migrated("recomputed", str(e))
+                logger.warning("request %s: %s; recomputing", parsed.request_id, e)
+                continue
             except (LegFailed, NoWorkerError) as e:
                 error = (
                     e.error
                     if isinstance(e, LegFailed)
                     else RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e))
                 )
-                if isinstance(e, NoWorkerError) or len(failed) > self.max_retries:
+                if isinstance(e, NoWorkerError) or len(failed) - drained > self.max_retries:
                     error.usage = usage(len(prompt), len(generated), cached_tokens or 0)
                     if generated:
                         error.message += f" ({len(generated)} tokens were sent before)"
@@ -498,10 +542,12 @@ class Coordinator:
         timer: RequestTimer,
         failed: list,
         prefilled: prefill_pb2.PrefillResponse | None,
+        migrated: bool = False,
     ) -> AsyncIterator[tuple[generate_pb2.GenerateResponse, int]]:
         """Decode's stream as (response, cached prompt tokens); its first message (blocks in
         place) is the handoff. A lost decode worker raises `LegFailed`; one refusing a
-        handoff as busy, `DecodeBusy`."""
+        handoff as busy, `DecodeBusy`; one that drains, `Migrating`. A `migrated` leg that
+        fails before its first message raises `MigrationFailed`."""
         assert self.decode is not None
         with self.decode.track(decoder):
             try:
@@ -511,6 +557,8 @@ class Coordinator:
                         handed_off = True
                         if prefilled is not None:
                             timer.handed_off()
+                    if step.HasField("migrate_kv"):
+                        raise Migrating(step.migrate_kv, decoder)
                     if not (step.token_ids or step.text or step.finish_reason):
                         continue
                     out = generate_pb2.GenerateResponse(
@@ -523,6 +571,8 @@ class Coordinator:
                     yield out, (prefilled.cached_tokens if prefilled else step.cached_tokens)
             except grpc.aio.AioRpcError as e:
                 error = _worker_error("decode", decoder.address, e)
+                if migrated and not handed_off:  # the new worker is not to blame for a pull
+                    raise MigrationFailed(f"migration to {error.message}") from None
                 busy = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 if busy and not handed_off and prefilled is not None:
                     raise DecodeBusy(error) from None
@@ -534,19 +584,100 @@ class Coordinator:
             finally:
                 call.cancel()
 
+    async def _migrated_leg(
+        self,
+        parsed: ParsedRequest,
+        prompt: list[int],
+        generated: list[int],
+        chars_before_last: int,
+        migration: Migrating,
+        remaining: Callable[[], float | None],
+        timer: RequestTimer,
+        failed: list,
+    ) -> AsyncIterator[tuple[generate_pb2.GenerateResponse, int]]:
+        """Go on on another decode worker from the KV a draining one leased: the prompt and
+        every token sent but the last are the computed tokens, the last is this leg's first
+        token, and the output state resumes as after a lost worker (`_leg`). Nothing is
+        prefilled. With no other decode worker, the draining one takes the stream back.
+        Raises `MigrationFailed` until the new worker has the KV, then as `_leg`."""
+        assert self.decode is not None
+        span = timer.span
+        rid = parsed.request_id
+        params = parsed.params
+        n = len(generated) - 1  # output tokens among the computed ones
+        left = params.max_tokens - n
+        sampling = params_to_proto(
+            replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - n))
+        )
+        handle = migration.handle
+        lease_end = lease_clock.deadline(handle.lease_ttl_ms)
+        request = decode_pb2.DecodeRequest(
+            request_id=worker_request_id(rid),
+            prompt_token_ids=prompt + generated[:-1],
+            first_token_id=generated[-1],
+            sampling=sampling,
+            kv_handle=handle,
+            resumed=generate_pb2.ResumedOutput(output_tokens=n, sent_chars=chars_before_last)
+            if n
+            else None,
+            migrated=True,
+        )
+        blocks = -(-(len(prompt) + n + left) // max(1, handle.block_size))
+        try:
+            decoder = await self.decode.pick(blocks_needed=blocks, exclude=failed)
+        except NoWorkerError:
+            # No other decode worker: the draining one takes the stream back and finishes it
+            # (as a drain did before streams moved), its KV never having left.
+            decoder = migration.source
+        span.set_attribute("pdserve.decode_worker", decoder.address)
+        request.kv_handle.lease_ttl_ms = lease_clock.ttl_ms(lease_end)  # left now
+        call = decoder.stub.Decode(request, timeout=remaining(), metadata=metadata_for_call(span))
+        moved = False
+        try:
+            async for item in self._relay_decode(
+                call, decoder, rid, timer, failed, None, migrated=True
+            ):
+                if not moved:
+                    moved = True
+                    timer.migrated("kept" if decoder is migration.source else "migrated")
+                yield item
+        except MigrationFailed:
+            self._release_moved(migration)
+            raise
+
+    @staticmethod
+    def _unmovable(handle: kv_pb2.KvHandle, computed: int, last_tokens: int) -> str | None:
+        """Why a stream handed over cannot go on from `handle` (None: it can). `computed`:
+        the prompt and every token sent but the last; `last_tokens`: the tokens of the last
+        response that had any (the text the client had before them must be known)."""
+        if handle.num_tokens != computed:
+            return (
+                f"the migrated KV covers {handle.num_tokens} tokens, the stream has "
+                f"{computed} before its last"
+            )
+        if last_tokens != 1:
+            return f"the last response carried {last_tokens} tokens, not one"
+        return None
+
+    def _release_moved(self, migration: Migrating) -> None:
+        """Free a migrated lease that will not be pulled (in the background: one that cannot
+        be reached expires with the source's drain)."""
+        stub = prefill_pb2_grpc.PrefillServiceStub(migration.source.channel)
+        self._background_release(stub, migration.source.address, migration.handle.lease_id)
+
     def _release(self, worker: WorkerEndpoint, lease_id: str) -> None:
         """Ask the prefill worker to free a lease, in the background (a lease that was
         already pulled is a no-op there; one that cannot be reached expires)."""
+        self._background_release(worker.stub, worker.address, lease_id)
 
+    def _background_release(
+        self, stub: prefill_pb2_grpc.PrefillServiceStub, address: str, lease_id: str
+    ) -> None:
         async def release() -> None:
             try:
-                await worker.stub.ReleaseKv(
-                    prefill_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5
-                )
+                await stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=5)
             except grpc.aio.AioRpcError as e:
-                logger.warning(
-                    "release of %s on %s failed: %s", lease_id, worker.address, e.details()
-                )
+                logger.warning("release of %s on %s failed: %s", lease_id, address, e.details())
 
         task = asyncio.ensure_future(release())
         self._background.add(task)

@@ -103,8 +103,10 @@ def test_completion_prompts_are_prompt_major() -> None:
         (lambda: CompletionRequest(prompt="x", prompt_logprobs=21), "prompt_logprobs"),
         (lambda: CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), "prompt_logprobs"),
         (lambda: CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),
-        (lambda: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], echo=True),
-         "echo"),
+        (
+            lambda: ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], echo=True),
+            "echo",
+        ),
         (lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs"),
         (lambda: chat(max_completion_tokens=0), "max_completion_tokens"),
         (lambda: chat(seed=-1), "seed"),
