@@ -195,6 +195,7 @@ class ServiceProcess:
             self.metrics_port = http_server.server_port
         self._on_stop: list[Callable[[], Awaitable[None]]] = []
         self._on_drain: list[Callable[[float], Awaitable[None]]] = []
+        self._before_drain: list[Callable[[float], Awaitable[None]]] = []
 
     @property
     def address(self) -> str:
@@ -203,6 +204,11 @@ class ServiceProcess:
     def on_stop(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run `fn` once the server has stopped."""
         self._on_stop.append(fn)
+
+    def before_drain(self, fn: Callable[[float], Awaitable[None]]) -> None:
+        """`fn(grace_s)` runs on SIGTERM (not SIGINT) while the server still takes new calls,
+        before its drain: a decode worker moves its streams out, which needs calls in."""
+        self._before_drain.append(fn)
 
     def on_drain(self, fn: Callable[[float], Awaitable[None]]) -> None:
         """Run `fn(grace_s)` beside the gRPC server's drain (another front's own drain)."""
@@ -224,9 +230,10 @@ class ServiceProcess:
         for name in ["", *service_names]:
             await self.health.set(name, serving)
         stop = asyncio.Event()
+        got: list[int] = []  # the signal that stopped it
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
         logger.info("serving %s on %s", ", ".join(service_names), self.address)
         if on_ready is not None:
             on_ready()
@@ -234,6 +241,12 @@ class ServiceProcess:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the drain
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
+        if got and got[0] == signal.SIGTERM:  # a Ctrl-C stops without moving anything out
+            for fn in self._before_drain:
+                try:
+                    await fn(grace_s)
+                except Exception:
+                    logger.exception("before the drain: a step failed; the drain follows")
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(self.server.stop(grace_s), *(fn(grace_s) for fn in self._on_drain))
         if self.health_server is not None:

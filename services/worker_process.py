@@ -19,7 +19,7 @@ from pdserve.common.handoff.slices import FollowerKv, gather_addresses
 from pdserve.common.kv_transfer import create_transport
 from pdserve.common.tracing import setup_tracing, shutdown_tracing
 from pdserve.services.colocated import ColocatedServicer
-from pdserve.services.decode.migration import MigrationSource, Migrator, migrate_on_sigterm
+from pdserve.services.decode.migration import MigrationSource, Migrator
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.services.engine_args import load_engine
 from pdserve.services.engine_loop import EngineLoop
@@ -165,8 +165,9 @@ async def _serve(args: argparse.Namespace, role: str) -> int:
 
     def on_ready() -> None:
         print(json.dumps(ready), flush=True)
-        if migrator is not None:  # SIGTERM moves the streams out first, then drains
-            migrate_on_sigterm(migrator, args.drain_timeout, lambda: status.drain(0))
+
+    if migrator is not None:  # SIGTERM moves the streams out first, then drains
+        process.before_drain(lambda grace: asyncio.gather(status.drain(0), migrator.drain(grace)))
 
     await process.run(names, on_ready=on_ready, grace_s=args.drain_timeout)
     return 0

@@ -6,7 +6,7 @@ every decoding stream's KV under a lease, the stream's last message carrying the
 its own (`MigrationSource`: `TransferKv`, `ReleaseKv`; `Prefill` is refused). Once nothing is
 left to move or pull (or the drain's grace is spent), the ordinary drain runs: it must come
 after, since a stopping gRPC server takes no new calls and the pulls are new calls. So
-SIGTERM comes here first (`migrate_on_sigterm`) and the server's own drain follows.
+SIGTERM comes here first (`ServiceProcess.before_drain`) and the server's own drain follows.
 
 As the destination: a `Decode` whose handle is another decode worker's (`migrated`) pulls
 through a channel to that worker (`MigrationSources`). The address is the coordinator's word,
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -118,31 +116,6 @@ def migrate_output(request: Request, handle: KvHandle) -> RequestOutput:
         text=request.output_text,
         migrate_kv=handle,
     )
-
-
-def migrate_on_sigterm(
-    migrator: Migrator, grace_s: float, on_start: Callable[[], Awaitable[None]]
-) -> None:
-    """Take SIGTERM from the server's drain (call once the server installed its handlers):
-    the first SIGTERM runs `on_start` (telling coordinators this worker drains) beside the
-    migration, then hands over to the server's drain through its other stop signal, SIGINT
-    (a Ctrl-C still stops at once, without moving streams). Later SIGTERMs are ignored."""
-    loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def drain() -> None:
-        try:
-            await asyncio.gather(on_start(), migrator.drain(grace_s))
-        except Exception:
-            logger.exception("drain: moving streams failed; the ordinary drain follows")
-        signal.raise_signal(signal.SIGINT)
-
-    def begin() -> None:
-        if not tasks:
-            task = loop.create_task(drain())
-            tasks.add(task)
-
-    loop.add_signal_handler(signal.SIGTERM, begin)
 
 
 class MigrationSources:
