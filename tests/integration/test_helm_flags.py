@@ -67,6 +67,8 @@ def test_env_ports_and_probes_match_the_cli(value_set: str, monkeypatch) -> None
         ]
         preStop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
         assert grace > preStop + args.drain_timeout
+        if component == "decode":  # moving its streams out, then the drain
+            assert grace > preStop + 2 * args.drain_timeout
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
     workers = {r: parse_container(container(deployment(docs, r)), monkeypatch) for r in WORKERS}

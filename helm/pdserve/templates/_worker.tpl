@@ -38,7 +38,8 @@ spec:
       {{- end }}
     spec:
       automountServiceAccountToken: false
-      terminationGracePeriodSeconds: {{ include "pdserve.gracePeriod" $root }}
+      {{- /* A decode worker first moves its streams to another (up to the drain timeout), then drains. */}}
+      terminationGracePeriodSeconds: {{ if eq $role "decode" }}{{ add (include "pdserve.gracePeriod" $root) (int (ceil $root.Values.termination.drainTimeoutSeconds)) }}{{ else }}{{ include "pdserve.gracePeriod" $root }}{{ end }}
       securityContext:
         {{- toYaml $v.podSecurityContext | nindent 8 }}
       {{- with $v.image.pullSecrets }}
