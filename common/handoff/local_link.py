@@ -18,10 +18,10 @@ class LocalLink:
     def __init__(self, sender: KvSender) -> None:
         self.sender = sender
 
-    async def transfer(self, order: TransferOrder, span: Span) -> None:
+    async def transfer(self, order: TransferOrder, span: Span) -> list[int]:
         """The prefill side's answers, as `TransferKv` gives them."""
         try:
-            await self.sender.send(order, self.sender.receivers(order))
+            return list((await self.sender.send(order, self.sender.receivers(order))).checksums)
         except LeaseError as e:
             raise PullFailed(f"NOT_FOUND: {e.args[0]}", PullFailed.STALE) from e
         except LeaseBusy as e:

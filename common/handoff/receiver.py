@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
+from pdserve.common import faults
+from pdserve.common.handoff.checksums import CorruptBlock, corrupt, verify
 from pdserve.common.handoff.handle import KvHandle, KvLayout, TransferOrder, check_handle
 from pdserve.common.handoff.slices import SliceReceive
 from pdserve.common.handoff.transfer_metrics import TransferMetrics
@@ -51,9 +53,10 @@ class PrefillLink(Protocol):
     """The decode worker's calls to one prefill worker. Both raise `PullFailed` (its message
     says why, e.g. the status the prefill worker answered)."""
 
-    async def transfer(self, order: TransferOrder, span: Span) -> None:
+    async def transfer(self, order: TransferOrder, span: Span) -> list[int]:
         """Have the prefill worker send the lease's blocks (`TransferKv`); returns once it
-        sent them. Cancelling the caller cancels the call."""
+        sent them, with their checksums (empty: none). Cancelling the caller cancels the
+        call."""
 
     async def release(self, lease_id: str) -> None:
         """Let the prefill worker free a lease unsent (`ReleaseKv`)."""
@@ -166,10 +169,12 @@ class KvReceiver:
             rank_receivers=tuple(self.tp_addresses[1:]),
         )
         try:
-            await link.transfer(order, transfer)
+            sums = await link.transfer(order, transfer)
             result = await self._landed(received)
             if slices is not None:
                 result = await self._land_slices(slices, len(dst))
+            else:
+                await self._check_landed(dst, sums)
         except (PullFailed, KvTransferError, asyncio.CancelledError) as e:
             transport.cancel(tag)
             await settled(received)  # only then may the caller free the blocks
@@ -195,6 +200,18 @@ class KvReceiver:
         )
         transfer.end()
         return result.num_blocks
+
+    async def _check_landed(self, dst: list[int], sums: list[int]) -> None:
+        """The landed blocks against the sender's checksums (`checksums.py`), off the event
+        loop; a mismatch is a failed pull (KvTransferError): no token is computed from it."""
+        kv = self.engine.runner.kv_cache
+        try:
+            if await faults.ahit("decode.before_landing") == "corrupt":  # a test's, in transit
+                corrupt(kv, dst[0])
+            await asyncio.to_thread(verify, kv, dst, sums)
+        except (CorruptBlock, faults.FaultInjected) as e:
+            logger.warning("KV pull: %s", e)
+            raise KvTransferError(str(e)) from None
 
     async def _landed(self, received: Future[TransferResult]) -> TransferResult:
         """The posted receives once the sender has sent them all: they complete within

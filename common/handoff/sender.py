@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.common import faults
+from pdserve.common.handoff.checksums import block_checksums
 from pdserve.common.handoff.handle import KvHandle, TransferOrder
 from pdserve.common.handoff.leases import LeaseTable
 from pdserve.common.handoff.slices import all_of, send_slices
@@ -126,6 +128,7 @@ class KvSender:
         blocks = list(self.leases.begin_send(order.lease_id, order.first_block, order.num_blocks))
         transport = self.transport
         future: Future[TransferResult] | None = None
+        sums: asyncio.Future[list[int]] | None = None
         try:
             try:
                 await faults.ahit("prefill.before_send")
@@ -135,11 +138,18 @@ class KvSender:
                 future = await self._send_slices(order, peers, blocks)
             else:
                 future = transport.send(order.receiver, order.tag, blocks, self.timeout_s)
+                # Hashed while the transfer runs: leased blocks are not written.
+                kv = self.engine.runner.kv_cache
+                sums = asyncio.ensure_future(asyncio.to_thread(block_checksums, kv, blocks))
             result = await asyncio.wrap_future(future)
+            if sums is not None:
+                result = replace(result, checksums=tuple(await sums))
         except (KvTransferError, asyncio.CancelledError):  # failed, or the decode side left
             transport.cancel(order.tag)
             if future is not None:
                 await settled(future)
+            if sums is not None:
+                await asyncio.gather(sums, return_exceptions=True)
             self.metrics.transfer_failed(transport.kind, "send")
             raise
         finally:

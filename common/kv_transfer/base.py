@@ -59,6 +59,9 @@ class TransferResult:
     num_blocks: int
     num_bytes: int
     seconds: float  # from posting to the last block in place (or sent)
+    # XXH3-64 of each block sent, as it is in the sender's cache (`handoff/checksums.py`);
+    # empty where the sender hashed none.
+    checksums: tuple[int, ...] = ()
 
 
 class KvTransport(ABC):

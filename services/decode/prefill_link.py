@@ -31,12 +31,12 @@ class GrpcPrefillLink:
         self.stub = stub
         self.timeout_s = timeout_s
 
-    async def transfer(self, order: TransferOrder, span: Span) -> None:
+    async def transfer(self, order: TransferOrder, span: Span) -> list[int]:
         call = self.stub.TransferKv(
             order_to_proto(order), timeout=self.timeout_s, metadata=metadata_for_call(span)
         )
         try:
-            await call
+            return list((await call).block_checksums)
         except asyncio.CancelledError:
             call.cancel()
             raise

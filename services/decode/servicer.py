@@ -198,7 +198,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             try:
                 await faults.ahit("decode.before_pull")
                 pulled = await receiver.pull(req, handle, num_cached, link, span)
-                await faults.ahit("decode.before_landing")
             except PullFailed as e:
                 await context.abort(_PULL_CODES[e.reason], str(e))
             except faults.FaultInjected as e:

@@ -134,7 +134,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except KvTransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
         return prefill_pb2.TransferKvResponse(
-            num_blocks=result.num_blocks, num_bytes=result.num_bytes
+            num_blocks=result.num_blocks,
+            num_bytes=result.num_bytes,
+            block_checksums=result.checksums,
         )
 
     async def ReleaseKv(

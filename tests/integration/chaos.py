@@ -68,6 +68,7 @@ CELLS = [
     Cell("delay", "pull in flight", "prefill", "prefill.before_send=delay:2"),
     Cell("kill", "pull in flight", "decode", "decode.before_pull=kill@1"),
     Cell("fail", "pull in flight", "decode", "decode.before_landing=fail@1"),
+    Cell("corrupt", "pull in flight", "decode", "decode.before_landing=corrupt@1"),
     Cell("kill", "decoding", "decode", "decode.before_step=kill@30"),
     Cell("stop", "decoding", "decode", "decode.before_step=stop@30"),
     Cell("fail", "decoding", "decode", "decode.before_step=fail@30"),

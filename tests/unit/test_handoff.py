@@ -136,3 +136,33 @@ def test_a_handle_for_another_layout_is_refused_naming_the_field(pair):
             pair.receiver.check(bad, len(PROMPTS[1]))
         assert refused.value.field == field
     pair.receiver.check(handle, len(PROMPTS[1]))
+
+
+def test_a_block_corrupted_in_transit_fails_the_pull_before_any_token(tiny_model_dir, pair):
+    """The sender's checksums travel with the transfer; a block that lands with other bytes
+    fails the pull (UNAVAILABLE: the request goes on elsewhere), its blocks go back, and no
+    step ever reads it. Then the same handoff, uncorrupted, gives the usual tokens."""
+    from pdserve.common import faults
+
+    params = PARAMS[0]
+    prompt = PROMPTS[1]
+    free = pair.decode.kv_cache.num_free_blocks
+    first, handle = prefill(pair, prompt, params, "a")
+    request, admitted = pair.receiver.arrive(prompt, first, params, "a", None)
+    steps = pair.decode.runner.num_forwards
+    faults.arm("decode.before_landing=corrupt@1")
+    try:
+        with pytest.raises(PullFailed, match="arrived corrupted") as failed:
+            asyncio.run(pair.receiver.pull(request, handle, admitted.result(0),
+                                           LocalLink(pair.sender)))  # fmt: skip
+    finally:
+        faults.arm("")
+    assert failed.value.reason == PullFailed.UNAVAILABLE
+    pair.receiver.abandon(request)
+    run(pair.decode)
+    assert pair.decode.runner.num_forwards == steps  # nothing computed from those blocks
+    assert pair.decode.kv_cache.num_free_blocks == free
+    got, _ = handoff(pair, prompt, params, "b")
+    reference = engine(tiny_model_dir, enable_prefix_caching=False)
+    assert got == reference.generate([prompt], params)[0].token_ids
+    assert pair.decode.kv_cache.num_free_blocks == free

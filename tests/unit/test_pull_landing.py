@@ -28,8 +28,9 @@ class SaysSentButSendsNothing:
     def __init__(self) -> None:
         self.orders: list[TransferOrder] = []
 
-    async def transfer(self, order: TransferOrder, span: Span) -> None:
+    async def transfer(self, order: TransferOrder, span: Span) -> list[int]:
         self.orders.append(order)
+        return []  # no checksums: the sender never sent
 
     async def release(self, lease_id: str) -> None:
         raise AssertionError("nothing is cached on decode here: no release")
