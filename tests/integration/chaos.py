@@ -105,8 +105,12 @@ class Cluster:
         self.ports = {name: free_port() for name in ("coordinator", "p0", "p1", "d0", "d1")}
         self.services: dict[str, RunningService] = {}
         self.logs = Path(tempfile.mkdtemp(prefix="pdserve-chaos-"))
-        for name in ("p0", "p1", "d0", "d1", "coordinator"):
-            self.start(name)
+        try:
+            for name in ("p0", "p1", "d0", "d1", "coordinator"):
+                self.start(name)
+        except BaseException:  # those already started must not outlive the test
+            self.close()
+            raise
 
     def _args(self, name: str) -> list[str]:
         port = ["--port", str(self.ports[name])]
