@@ -200,6 +200,13 @@ def decode_steps(
             start = time.perf_counter()
             engine.step()  # sampling reads the ids back: the step's device work is done
             times.append(time.perf_counter() - start)
+            # Every timed step runs the whole batch (a batch whose KV does not fit would
+            # time fewer rows, and finished requests would too): else the figure is void.
+            if engine.last_batch_size != batch:
+                raise RuntimeError(
+                    f"decode batch {batch}: a timed step ran {engine.last_batch_size} rows; "
+                    "give the KV cache room for the whole batch"
+                )
         out[str(batch)] = statistics.median(times)
         if graphs is not None and graphs.graphs:
             # The inputs still hold the last step's rows: a replay rewrites the same K/V.
