@@ -182,7 +182,9 @@ def decode_steps(
     from pdserve.common.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=reps + 3, temperature=0.0, ignore_eos=True)
+    # A request whose prompt was done first decodes while the others' prompts run (up to a
+    # step per prefill chunk): room for 16 such steps, so none finishes in the timed steps.
+    params = SamplingParams(max_tokens=reps + 3 + 16, temperature=0.0, ignore_eos=True)
     graphs = engine.runner.decode_graphs
     out, replay = {}, {}
     for batch in batches:
@@ -312,6 +314,9 @@ def run(ctx: Context) -> dict[str, Any]:
         kv_cache_tokens=(16 if ctx.tiny else 64) * 1024,
         max_num_seqs=256,
         max_num_batched_tokens=pre_prompts * pre_len,
+        # Prompts take the whole token budget (no TPOT pacing): a batch's prompts are in
+        # within a few steps, so no request decodes long enough to finish before the timing.
+        tpot_target_ms=0.0,
         enable_prefix_caching=False,
     )
     sync(device)
