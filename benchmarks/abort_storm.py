@@ -26,17 +26,13 @@ import asyncio
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
+from processes import Service
 
-from pdserve.services.grpc_server import wait_healthy
-from pdserve.services.launcher import ServiceChild
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 
 PHASES = ("queued", "first_token", "decoding")
@@ -56,49 +52,25 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class Service:
-    def __init__(self, role: str, *args: str) -> None:
-        argv = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
-        self.child = ServiceChild(role, argv)
-        self.info = self.child.wait_listening(300)
-        asyncio.run(wait_healthy(self.info["grpc"], 300))
+def idle(worker: Service) -> bool:
+    """Every block free, no lease held, nothing running or waiting."""
+    return (
+        worker.metric("pdserve_kv_cache_blocks_free")
+        == worker.metric("pdserve_kv_cache_num_blocks")
+        and worker.metric("pdserve_kv_leases_held") == 0
+        and worker.metric("pdserve_num_requests_running") == 0
+        and worker.metric("pdserve_num_requests_waiting") == 0
+    )
 
-    def metric(self, name: str) -> float:
-        with urllib.request.urlopen(self.info["metrics"], timeout=10) as r:
-            text = r.read().decode()
-        return sum(
-            s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == name
-        )
 
-    def idle(self) -> bool:
-        total = self.metric("pdserve_kv_cache_num_blocks")
-        return (
-            self.metric("pdserve_kv_cache_blocks_free") == total
-            and self.metric("pdserve_kv_leases_held") == 0
-            and self.metric("pdserve_num_requests_running") == 0
-            and self.metric("pdserve_num_requests_waiting") == 0
-        )
-
-    def state(self) -> dict[str, float]:
-        return {
-            "blocks_free": self.metric("pdserve_kv_cache_blocks_free"),
-            "blocks": self.metric("pdserve_kv_cache_num_blocks"),
-            "leases_held": self.metric("pdserve_kv_leases_held"),
-            "running": self.metric("pdserve_num_requests_running"),
-        }
-
-    def stop(self) -> None:
-        proc = self.child.proc
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:  # it did not stop: kill it
-                proc.kill()
-                proc.wait()
+def state(worker: Service) -> dict[str, float]:
+    names = {
+        "blocks_free": "pdserve_kv_cache_blocks_free",
+        "blocks": "pdserve_kv_cache_num_blocks",
+        "leases_held": "pdserve_kv_leases_held",
+        "running": "pdserve_num_requests_running",
+    }
+    return {key: worker.metric(name) for key, name in names.items()}
 
 
 def request(i: int, max_tokens: int) -> generate_pb2.GenerateRequest:
@@ -202,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counts = asyncio.run(storm(address, args.streams, args.storm_seconds, args.seed))
         ended = time.monotonic()
         bound = time.monotonic() + args.kv_lease + 60
-        while not all(w.idle() for w in workers.values()):
+        while not all(idle(w) for w in workers.values()):
             if time.monotonic() > bound:
                 break
             time.sleep(0.05)
@@ -213,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             storm=counts,
             recovery_s=round(recovery, 3),
             kv_lease_s=args.kv_lease,
-            within_lease=all(w.idle() for w in workers.values()) and recovery <= args.kv_lease,
+            within_lease=all(idle(w) for w in workers.values()) and recovery <= args.kv_lease,
             throughput={
                 "output_tokens_per_s_before": before,
                 "output_tokens_per_s_after": after,
@@ -222,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "requests": args.requests,
                 "max_tokens": args.max_tokens,
             },
-            workers={name: w.state() for name, w in workers.items()},
+            workers={name: state(w) for name, w in workers.items()},
             coordinator_failures_total=coordinator.metric("pdserve_request_failure_total"),
             command=" ".join(["benchmarks/abort_storm.py", *sys.argv[1:]]),
         )

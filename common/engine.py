@@ -401,9 +401,7 @@ class LLMEngine:
                 request.logprobs.append(s.logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = self._process_token(request, s.token_id, logprobs=s.logprobs)
-            output.prompt_logprobs = request.prompt_logprobs
-            outputs.append(output)
+            outputs.append(self._process_token(request, s.token_id, logprobs=s.logprobs))
         seconds = time.perf_counter() - step_start
         self._last_step_end = time.monotonic()
         kind = prefill > 0
@@ -473,6 +471,7 @@ class LLMEngine:
             text=request.output_text,
             logprobs=request.logprobs,
             new_logprobs=[logprobs] if logprobs is not None else [],
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def generate(

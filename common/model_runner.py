@@ -39,7 +39,7 @@ from pdserve.common.models.tp_steps import (
 )
 from pdserve.common.prompts import max_model_len
 from pdserve.common.request import Request
-from pdserve.common.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from pdserve.common.sampler import Sampler, TokenLogprobs, token_logprobs
 from pdserve.common.scheduler import ScheduledBatch
 from pdserve.kernels import invariant_gemm
 
@@ -414,7 +414,7 @@ class _PromptRows:
         tops: list[int] = []
         for r, _, count in self.spans:
             tops += [r.sampling_params.prompt_logprobs or 0] * count
-        entries = prompt_logprobs(logits, targets, tops)
+        entries = token_logprobs(logits, targets, tops)
         at = 0
         for r, start, count in self.spans:
             assert r.prompt_logprobs is not None

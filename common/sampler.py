@@ -35,14 +35,13 @@ class TokenLogprobs(NamedTuple):
     token_id: int  # the sampled token
     logprob: float  # its log-probability
     top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
-    # Its rank in the distribution (1: the most likely); 0 where not computed (sampled tokens).
-    rank: int = 0
+    rank: int = 0  # its rank in the distribution (1: the most likely)
 
 
-def prompt_logprobs(logits: Tensor, targets: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Row i of `logits` [N, V] (float32) is the distribution that predicted prompt token
-    `targets[i]`: its log-probability, its rank, and the row's `num_top[i]` most likely
-    tokens, all from the unmodified distribution (vLLM's prompt_logprobs)."""
+def token_logprobs(logits: Tensor, targets: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Row i of `logits` [N, V] is the distribution that gave token `targets[i]` (sampled,
+    or the prompt's next: vLLM's prompt_logprobs): its log-probability, its rank, and the
+    row's `num_top[i]` most likely tokens, all of the unmodified distribution."""
     if logits.shape[0] == 0:
         return []
     logprobs = logits.float().log_softmax(dim=-1)
@@ -166,7 +165,7 @@ class Sampler:
                     tokens[i] = _exponential_race(probs[j : j + 1], generators[i])[0]
 
         token_ids: list[int] = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, params, tokens, token_ids))
+        return SamplerOutput(token_ids, self._logprobs(raw, params, tokens))
 
     @staticmethod
     def _adjust(
@@ -210,23 +209,15 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: Tensor, params: list[SamplingParams], tokens: Tensor, token_ids: list[int]
+        logits: Tensor, params: list[SamplingParams], tokens: Tensor
     ) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = [None] * len(params)
         want = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         if not want:
             return out
         rows = torch.tensor(want, device=logits.device)
-        logprobs = logits[rows].log_softmax(dim=-1)
-        chosen: list[float] = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
-        max_n = min(max(params[i].logprobs or 0 for i in want), logprobs.shape[1])
-        top_v: list[list[float]] = [[] for _ in want]
-        top_i: list[list[int]] = [[] for _ in want]
-        if max_n > 0:
-            values, indices = logprobs.topk(max_n, dim=-1)
-            top_v, top_i = values.tolist(), indices.tolist()
-        for j, i in enumerate(want):
-            k = params[i].logprobs or 0
-            top = list(zip(top_i[j][:k], top_v[j][:k], strict=True))
-            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        tops = [params[i].logprobs or 0 for i in want]
+        entries = token_logprobs(logits[rows], tokens[rows], tops)
+        for i, entry in zip(want, entries, strict=True):
+            out[i] = entry
         return out
