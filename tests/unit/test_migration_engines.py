@@ -14,14 +14,10 @@ import dataclasses
 import re
 
 import pytest
-from handoff_pair import engine, run
+from handoff_pair import engine, make_pair, run
 
 from pdserve.common.handoff import migration
 from pdserve.common.handoff.local_link import LocalLink
-from pdserve.common.handoff.receiver import KvReceiver
-from pdserve.common.handoff.sender import KvSender
-from pdserve.common.handoff.transfer_metrics import NoMetrics
-from pdserve.common.kv_transfer import create_transport
 from pdserve.common.request import RequestStatus, Resume
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.structured_output import StructuredOutput
@@ -44,24 +40,12 @@ PARAMS = [
 ]
 
 
-async def _no_group(fn):
-    raise AssertionError("no tensor-parallel group in this test")
-
-
 @pytest.fixture
 def engines(tiny_model_dir):
-    source, target = engine(tiny_model_dir), engine(tiny_model_dir)
-    transports = []
-    for e in (source, target):
-        transport = create_transport("inproc")
-        transport.register_pool(e.runner.kv_cache)
-        transports.append(transport)
-    sender = KvSender(source, transports[0], "decode-a", "127.0.0.1:1", 60.0, 5.0, NoMetrics(),
-                      _no_group)  # fmt: skip
-    receiver = KvReceiver(target, transports[1], 5.0, NoMetrics(), _no_group)
-    yield source, target, sender, receiver
-    for t in transports:
-        t.close()
+    """A source and a target engine joined by the real sender and receiver (`handoff_pair`)."""
+    pair = make_pair(tiny_model_dir)
+    yield pair.prefill, pair.decode, pair.sender, pair.receiver
+    pair.close()
 
 
 def migrate(engines, params: SamplingParams, steps: int, rid: str) -> tuple[list[int], int]:
